@@ -1,0 +1,97 @@
+"""Shared test helpers: tiny MNIST IDX files, running the real scripts as subprocesses."""
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+INSTRUMENT = Path(__file__).resolve().parent / "instrument"
+N_TRAIN, N_TEST = 600, 101  # 101 divides by neither 2 nor 3
+
+
+def write_idx(path, tensor):
+    """An uncompressed IDX file as MNIST ships it (magic 0x08 = unsigned byte, then dims)."""
+    with open(path, "wb") as f:
+        f.write(struct.pack(">HBB", 0, 0x08, tensor.dim()))
+        f.write(struct.pack(f">{tensor.dim()}I", *tensor.shape))
+        f.write(tensor.to(torch.uint8).numpy().tobytes())
+
+
+def make_tiny_mnist(root, n_train=N_TRAIN, n_test=N_TEST, seed=0):
+    """Learnable fake digits (a fixed template per class plus noise) in MNIST's file format,
+    so the data goes through torchvision's real MNIST reader."""
+    g = torch.Generator().manual_seed(seed)
+    templates = (torch.rand(10, 28, 28, generator=g) > 0.7).float() * 200
+    raw = Path(root) / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        y = torch.randint(0, 10, (n,), generator=g)
+        x = (templates[y] + torch.randn(n, 28, 28, generator=g) * 70).clamp(0, 255)
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", x)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", y)
+    return Path(root)
+
+
+@pytest.fixture(scope="session")
+def tiny_mnist(tmp_path_factory):
+    return make_tiny_mnist(tmp_path_factory.mktemp("mnist"))
+
+
+def script_env(record=None, block=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INSTRUMENT), env.get("PYTHONPATH")]))
+    env["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"  # show all
+    env.pop("OMP_NUM_THREADS", None)
+    env.pop("DDP_TEST_RECORD", None)
+    env.pop("DDP_TEST_BLOCK", None)
+    if record:
+        env["DDP_TEST_RECORD"] = str(record)
+    if block:
+        env["DDP_TEST_BLOCK"] = block
+    return env
+
+
+def run_script(script, *args, timeout=120, record=None, block=None, check=True):
+    """Run a script of the repo as its own process group; kill the group on timeout."""
+    cmd = [sys.executable, str(ROOT / script), *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(record, block), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{script} {' '.join(map(str, args))} hung for {timeout}s\n{out}\n{err}")
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{script} exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}")
+    for line in (out + err).splitlines():
+        assert "FutureWarning" not in line and "DeprecationWarning" not in line, line
+    return result
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def read_records(directory, name):
+    rows = []
+    for f in sorted(Path(directory).glob(f"{name}-*.jsonl")):
+        rows += [json.loads(line) for line in f.read_text().splitlines()]
+    return rows
+
+
+def busy_port():
+    """A listening socket on a port of this machine; the caller closes it."""
+    s = socket.socket()
+    s.bind(("", 0))
+    s.listen()
+    return s

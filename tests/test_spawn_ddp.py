@@ -1,0 +1,300 @@
+"""spawn_ddp.py end to end: real processes on gloo (CPU), tiny MNIST through torchvision."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import N_TEST, N_TRAIN, ROOT, busy_port, read_metrics, read_records, run_script, \
+    script_env
+
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+SCRIPT = "spawn_ddp.py"
+EPOCHS = 3
+
+
+def tiny(data, *extra):
+    """Flags for a quick run on the tiny data: 2 processes, global batch 64."""
+    return ["--data-dir", data, "--nproc-per-node", 2, "--batch-size", 64, "--log-interval", 5,
+            "--timeout", 30, *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_mnist, tmp_path_factory):
+    """One 3-epoch run with 2 processes, recorded; several tests read what it left."""
+    d = tmp_path_factory.mktemp("trained")
+    (d / "record").mkdir()
+    (d / "ckpt").mkdir()
+    result = run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", EPOCHS, "--lr", 0.02,
+                                      "--checkpoint", d / "ckpt" / "model.pt",
+                                      "--metrics", d / "metrics.jsonl"), record=d / "record")
+    return d, result
+
+
+def test_loss_falls_and_accuracy_is_reported(trained):
+    d, result = trained
+    rows = read_metrics(d / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    assert all(r["world_size"] == 2 and r["total"] == N_TEST for r in rows)
+    assert rows[-1]["train_loss"] < 0.5 * rows[0]["train_loss"]
+    assert rows[-1]["test_acc"] > 80
+    assert "loss" in result.stdout and "samples/s" in result.stdout  # progress lines
+
+
+def test_one_checkpoint_written_by_one_process(trained):
+    d, _ = trained
+    assert sorted(p.name for p in (d / "ckpt").iterdir()) == ["model.pt"]  # no temp file left
+    saves = [s for s in read_records(d / "record", "save") if "ckpt" in s["path"]]
+    assert len(saves) == EPOCHS  # once per epoch, not once per process
+    assert len({s["pid"] for s in saves}) == 1
+
+
+def test_checkpoint_loads_safely_into_a_plain_model(trained):
+    d, _ = trained
+    ckpt = torch.load(d / "ckpt" / "model.pt", weights_only=True, map_location="cpu")
+    assert ckpt["epoch"] == EPOCHS and ckpt["args"]["batch_size"] == 64
+    assert not any(k.startswith("module.") for k in ckpt["model"])
+    model = common.Net()
+    model.load_state_dict(ckpt["model"])  # strict
+    assert {"optimizer", "scheduler", "scaler"} <= ckpt.keys()
+
+
+def test_replicas_are_identical_after_training(trained):
+    d, _ = trained
+    states = [torch.load(d / "record" / f"final-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert states[0].keys() == states[1].keys()
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+    saved = torch.load(d / "ckpt" / "model.pt", weights_only=True)["model"]
+    for k in saved:  # and the checkpoint holds exactly that model
+        assert torch.equal(saved[k], states[0][k]), k
+
+
+def test_shards_cover_the_data_once_and_reshuffle(trained):
+    d, _ = trained
+    by_epoch = defaultdict(dict)
+    for row in read_records(d / "record", "sampler"):
+        by_epoch[row["epoch"]][row["rank"]] = row["indices"]
+    assert sorted(by_epoch) == list(range(EPOCHS))
+    for epoch, shards in by_epoch.items():
+        assert sorted(shards) == [0, 1]
+        assert len(shards[0]) == len(shards[1]) == N_TRAIN // 2
+        assert sorted(shards[0] + shards[1]) == list(range(N_TRAIN))  # disjoint and complete
+    assert by_epoch[0][0] != by_epoch[1][0] and by_epoch[1][0] != by_epoch[2][0]
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_evaluation_is_exact_at_every_world_size(trained, tiny_mnist, tmp_path, nproc):
+    d, _ = trained
+    ckpt = d / "ckpt" / "model.pt"
+    run_script(SCRIPT, "--data-dir", tiny_mnist, "--nproc-per-node", nproc, "--evaluate",
+               "--checkpoint", ckpt, "--metrics", tmp_path / "m.jsonl")
+    [row] = read_metrics(tmp_path / "m.jsonl")
+    assert row["total"] == N_TEST and row["world_size"] == nproc
+    # the same count as the training run's last evaluation, and so the same at 1, 2 and 3
+    assert row["correct"] == read_metrics(d / "metrics.jsonl")[-1]["correct"]
+
+
+def test_module_prefixed_checkpoint_is_accepted(trained, tiny_mnist, tmp_path):
+    d, _ = trained
+    ckpt = torch.load(d / "ckpt" / "model.pt", weights_only=True)
+    ckpt["model"] = {f"module.{k}": v for k, v in ckpt["model"].items()}  # as DDP/DP save it
+    torch.save(ckpt, tmp_path / "prefixed.pt")
+    run_script(SCRIPT, "--data-dir", tiny_mnist, "--nproc-per-node", 1, "--evaluate",
+               "--checkpoint", tmp_path / "prefixed.pt", "--metrics", tmp_path / "m.jsonl")
+    assert read_metrics(tmp_path / "m.jsonl")[0]["correct"] == \
+        read_metrics(d / "metrics.jsonl")[-1]["correct"]
+
+
+def test_resume_is_bit_identical(tiny_mnist, tmp_path):
+    straight, split = tmp_path / "straight.pt", tmp_path / "split.pt"
+    run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 2, "--checkpoint", straight))
+    run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 2, "--stop-after", 1, "--checkpoint", split))
+    assert torch.load(split, weights_only=True)["epoch"] == 1
+    run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 2, "--checkpoint", split, "--resume"))
+    a, b = (torch.load(p, weights_only=True) for p in (straight, split))
+    assert a["epoch"] == b["epoch"] == 2
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for i, state in a["optimizer"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, b["optimizer"]["state"][i][k]), (i, k)
+    assert a["scheduler"] == b["scheduler"]
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_mixed_precision_on_cpu(tiny_mnist, tmp_path, amp):
+    ckpt, metrics = tmp_path / "c.pt", tmp_path / "m.jsonl"
+    run_script(SCRIPT, *tiny(tiny_mnist, "--amp", amp, "--epochs", 2, "--stop-after", 1,
+                             "--checkpoint", ckpt))
+    run_script(SCRIPT, *tiny(tiny_mnist, "--amp", amp, "--epochs", 2, "--checkpoint", ckpt,
+                             "--resume", "--metrics", metrics))
+    [row] = read_metrics(metrics)
+    assert row["epoch"] == 2 and row["train_loss"] == row["train_loss"]  # not NaN
+    scaler = torch.load(ckpt, weights_only=True)["scaler"]
+    assert bool(scaler) == (amp == "fp16")  # only fp16 needs (and saves) a loss scale
+
+
+def test_two_nodes_on_one_machine(tiny_mnist, tmp_path):
+    """Two launchers, one per "node", each starting one process, meet through node 0."""
+    with busy_port() as s:
+        port = s.getsockname()[1]  # reserve a port number, then free it for node 0
+    common_args = [SCRIPT, "--data-dir", tiny_mnist, "--nnodes", 2, "--nproc-per-node", 1,
+                   "--master-addr", "127.0.0.1", "--master-port", port, "--batch-size", 64,
+                   "--timeout", 30]
+    procs = [subprocess.Popen([sys.executable, *map(str, common_args), "--node-rank", str(n),
+                               "--checkpoint", tmp_path / f"node{n}" / "c.pt",
+                               "--metrics", tmp_path / f"m{n}.jsonl"],
+                              cwd=ROOT, env=script_env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for n in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    [row] = read_metrics(tmp_path / "m0.jsonl")
+    assert row["world_size"] == 2 and row["total"] == N_TEST
+    assert not (tmp_path / "m1.jsonl").exists()  # only global rank 0 reports
+    assert (tmp_path / "node0" / "c.pt").exists() and not (tmp_path / "node1").exists()
+
+
+def test_missing_peer_fails_within_timeout(tiny_mnist):
+    with busy_port() as s:
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    r = run_script(SCRIPT, "--data-dir", tiny_mnist, "--nnodes", 2, "--node-rank", 0,
+                   "--nproc-per-node", 1, "--master-addr", "127.0.0.1", "--master-port", port,
+                   "--timeout", 5, check=False, timeout=60)
+    assert r.returncode != 0
+    assert time.monotonic() - start < 40
+    assert "error:" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ctrl_c_stops_every_process_cleanly(tmp_path):
+    args = [SCRIPT, "--dummy", "--epochs", 50, "--log-interval", 1, "--checkpoint", tmp_path / "c.pt"]
+    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=script_env(),
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:  # wait until training is under way
+            if "step" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    assert "interrupted" in err and "Traceback" not in err
+    assert not session_processes(proc.pid)  # no orphaned workers
+
+
+def session_processes(sid, wait=10):
+    """Live processes left in a session (zombies awaiting their reaper do not count)."""
+    deadline = time.monotonic() + wait
+    while True:
+        ps = subprocess.run(["ps", "-o", "stat=,args=", "-s", str(sid)], capture_output=True,
+                            text=True).stdout.splitlines()
+        alive = [p for p in ps if not p.strip().startswith("Z")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+# ---- bad input: one line, non-zero exit, within seconds ------------------------------------
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+
+
+def bad(*args, **kw):
+    return run_script(SCRIPT, *args, check=False, timeout=60, **kw)
+
+
+def test_error_missing_mnist(tmp_path):
+    r = bad("--data-dir", tmp_path / "empty")
+    assert_one_line_error(r, str(tmp_path / "empty"), "train-images-idx3-ubyte",
+                          "t10k-labels-idx1-ubyte", "--dummy")
+
+
+def test_error_batch_not_divisible(tiny_mnist):
+    assert_one_line_error(bad("--data-dir", tiny_mnist, "--nproc-per-node", 3,
+                              "--batch-size", 64), "--batch-size 64", "world size 3")
+
+
+def test_error_sync_bn_on_cpu(tiny_mnist):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA, where --sync-bn is valid")
+    assert_one_line_error(bad("--data-dir", tiny_mnist, "--sync-bn"), "--sync-bn", "CUDA")
+
+
+def test_error_more_processes_than_gpus(tiny_mnist):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU machine")
+    n = torch.cuda.device_count() + 1
+    assert_one_line_error(bad("--data-dir", tiny_mnist, "--nproc-per-node", n), "GPU")
+
+
+def test_error_port_in_use(tiny_mnist):
+    with busy_port() as s:
+        port = s.getsockname()[1]
+        assert_one_line_error(bad("--data-dir", tiny_mnist, "--master-port", port),
+                              f"port {port}", "in use")
+
+
+def test_error_corrupt_checkpoint(tiny_mnist, tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(os.urandom(4096))
+    assert_one_line_error(bad("--data-dir", tiny_mnist, "--checkpoint", garbage, "--resume"),
+                          str(garbage), "corrupt")
+
+
+def test_error_truncated_checkpoint(trained, tiny_mnist, tmp_path):
+    d, _ = trained
+    data = (d / "ckpt" / "model.pt").read_bytes()
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(data[: len(data) // 2])
+    assert_one_line_error(bad("--data-dir", tiny_mnist, "--checkpoint", cut, "--evaluate"),
+                          str(cut), "corrupt or truncated")
+
+
+def test_error_checkpoint_of_another_model(tiny_mnist, tmp_path):
+    other = tmp_path / "other.pt"
+    torch.save({"model": torch.nn.Linear(784, 10).state_dict(), "epoch": 1}, other)
+    assert_one_line_error(bad("--data-dir", tiny_mnist, "--checkpoint", other, "--evaluate"),
+                          str(other), "does not fit this model")
+
+
+def test_error_resume_without_checkpoint_file(tiny_mnist, tmp_path):
+    assert_one_line_error(bad("--data-dir", tiny_mnist, "--checkpoint", tmp_path / "none.pt",
+                              "--resume"), "no checkpoint")
+
+
+def test_error_tensorboard_missing(tiny_mnist, tmp_path):
+    r = bad("--data-dir", tiny_mnist, "--tensorboard", tmp_path / "tb", block="tensorboard")
+    assert_one_line_error(r, "--tensorboard", "pip install tensorboard")
+
+
+def test_tensorboard_writes_events(tiny_mnist, tmp_path):
+    pytest.importorskip("tensorboard")
+    run_script(SCRIPT, *tiny(tiny_mnist, "--tensorboard", tmp_path / "tb"))
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.skipif(not os.environ.get("MNIST_DIR"), reason="set MNIST_DIR to the real MNIST")
+def test_defaults_reach_99_percent_on_real_mnist(tmp_path):
+    run_script(SCRIPT, "--data-dir", os.environ["MNIST_DIR"], "--metrics", tmp_path / "m.jsonl",
+               timeout=300)
+    rows = read_metrics(tmp_path / "m.jsonl")
+    assert rows[-1]["total"] == 10000
+    assert rows[-1]["test_acc"] >= 99.0, rows
