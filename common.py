@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -51,6 +52,10 @@ def build_parser(description):
       "with this dtype; fp16 adds a GradScaler (default: none)")
     a("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm (CUDA only)")
     a("--checkpoint", metavar="PATH", help="written after every epoch by one process")
+    a("--save-every", type=int, default=0, metavar="STEPS", help="also write --checkpoint every "
+      "this many steps inside an epoch; a resume continues from that step (default: off)")
+    a("--save-on-each-node", action="store_true", help="one checkpoint writer per node (local "
+      "rank 0) instead of one in all, for nodes without a shared filesystem")
     a("--resume", action="store_true", help="continue from --checkpoint")
     a("--evaluate", action="store_true", help="evaluate the model in --checkpoint and exit")
     a("--metrics", metavar="PATH", help="append one JSON object per epoch (rank 0)")
@@ -74,8 +79,10 @@ def check_args(args, world_size, cuda):
             import torch.utils.tensorboard  # noqa: F401
         except ImportError:
             raise Fatal("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-    if (args.resume or args.evaluate) and not args.checkpoint:
-        raise Fatal("--resume and --evaluate need --checkpoint PATH")
+    if (args.resume or args.evaluate or args.save_every) and not args.checkpoint:
+        raise Fatal("--resume, --evaluate and --save-every need --checkpoint PATH")
+    if args.save_every < 0:
+        raise Fatal("--save-every must be a positive number of steps (or 0: off)")
     if args.evaluate or args.resume:  # a bad checkpoint fails here, not in every worker
         load_model_state(Net(), load_checkpoint(args.checkpoint)["model"], args.checkpoint)
 
@@ -88,9 +95,12 @@ def clean_exit(who=""):
     except Fatal as e:
         print(f"{who}error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except dist.DistError as e:  # a peer died, never came, or the port is taken
+    except (dist.DistError, RuntimeError) as e:  # a peer died, never came, or the port is taken
+        if not isinstance(e, dist.DistError) and "/gloo/" not in str(e):  # gloo raises
+            raise                                                         # RuntimeError
         line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        print(f"{who}error: distributed: {line.strip()[:300]}", file=sys.stderr, flush=True)
+        line = re.sub(r"^\[\S+\] ", "", line.strip())  # drop gloo's "[source.cc:123] "
+        print(f"{who}error: distributed: {line[:300]}", file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
         print(f"{who}interrupted", file=sys.stderr, flush=True)
@@ -261,10 +271,11 @@ def make_scheduler(optimizer, args, steps_per_epoch):
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: plain tensors and primitives only, written atomically by one process.
 
-def checkpoint_state(model, optimizer, scheduler, scaler, epoch, args):
+def checkpoint_state(model, optimizer, scheduler, scaler, epoch, step, args):
+    """`epoch` epochs done, plus `step` steps of the next one (0 at an epoch's end)."""
     return {"model": model.state_dict(),  # the unwrapped model: no "module." prefix
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "epoch": epoch, "args": vars(args)}
+            "scaler": scaler.state_dict(), "epoch": epoch, "step": step, "args": vars(args)}
 
 
 def save_checkpoint(state, path):
@@ -302,13 +313,25 @@ def load_model_state(model, state_dict, path):
 
 
 def restore(ckpt, model, optimizer, scheduler, scaler, path):
-    """Load a checkpoint into freshly built objects; returns the epoch to start from."""
+    """Load a checkpoint into freshly built objects; returns (epoch, step) to continue from."""
     load_model_state(model, ckpt["model"], path)
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
     if ckpt.get("scaler") and scaler.is_enabled():  # a checkpoint without fp16 has no scale
         scaler.load_state_dict(ckpt["scaler"])
-    return ckpt["epoch"]
+    return ckpt["epoch"], ckpt.get("step", 0)
+
+
+def same_everywhere(*values, device):
+    """True when every process passed the same integers. Per-node checkpoint copies can
+    disagree if a crash landed between two nodes' writes; resuming from both would hang."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    lo = torch.tensor(values, device=device)
+    hi = lo.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return torch.equal(lo, hi)
 
 
 # ---------------------------------------------------------------------------------------------

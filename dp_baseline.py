@@ -7,6 +7,8 @@ the first GPU and sums the gradients back there. Without a GPU it is a plain tra
     python dp_baseline.py                 # all visible GPUs
     python dp_baseline.py --gpus 0,1
 """
+import itertools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -61,11 +63,12 @@ def train(gpus, args):
     amp_dtype = common.AMP_DTYPES[args.amp]
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
 
-    start_epoch = 0
+    start_epoch, start_step = 0, 0
     if args.resume or args.evaluate:  # any script's checkpoint: none has a "module." prefix
         ckpt = common.load_checkpoint(args.checkpoint, map_location=device)
-        start_epoch = common.restore(ckpt, model, optimizer, scheduler, scaler, args.checkpoint)
-        report.log(f"loaded {args.checkpoint}: {start_epoch} epoch(s) trained")
+        start_epoch, start_step = common.restore(ckpt, model, optimizer, scheduler, scaler,
+                                                 args.checkpoint)
+        report.log(f"loaded {args.checkpoint}: {start_epoch} epoch(s) + {start_step} step(s) trained")
     if args.evaluate:
         correct, total = common.evaluate(model, test_x, test_y)
         report.record(epoch=start_epoch, evaluate=True, **common.accuracy_fields(correct, total))
@@ -80,7 +83,9 @@ def train(gpus, args):
         model.train()
         loss_sum, seen = torch.zeros((), device=device), 0
         timer = common.Timer(device)
-        for step, (x, y) in enumerate(loader, 1):
+        # Resuming mid-epoch: set_epoch gives the same order as before, so skip what was done.
+        skip = start_step if epoch == start_epoch else 0
+        for step, (x, y) in enumerate(itertools.islice(loader, skip, None), skip + 1):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
@@ -96,13 +101,17 @@ def train(gpus, args):
                 mean_loss = loss_sum.item() / seen
                 report.progress(epoch, step, len(loader), mean_loss,
                                 scheduler.get_last_lr()[0], timer.elapsed(), seen)
+            if args.save_every and step % args.save_every == 0 and step < len(loader):
+                state = common.checkpoint_state(model.module, optimizer, scheduler, scaler,
+                                                epoch, step, args)
+                common.save_checkpoint(state, args.checkpoint)
         train_loss = loss_sum.item() / seen
         seconds = timer.elapsed()
 
         correct, total = common.evaluate(model.module, test_x, test_y)
         if args.checkpoint:  # the unwrapped model: no "module." prefix in the file
             state = common.checkpoint_state(model.module, optimizer, scheduler, scaler,
-                                            epoch + 1, args)
+                                            epoch + 1, 0, args)
             common.save_checkpoint(state, args.checkpoint)
         report.record(epoch=epoch + 1, train_loss=train_loss, **common.accuracy_fields(correct, total),
                       epoch_seconds=seconds, samples_per_s=seen / seconds)

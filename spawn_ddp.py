@@ -4,8 +4,7 @@ One machine:   python spawn_ddp.py --nproc-per-node 2
 Two machines:  python spawn_ddp.py --nnodes 2 --node-rank 0 --master-addr HOST0 --master-port 29500
                python spawn_ddp.py --nnodes 2 --node-rank 1 --master-addr HOST0 --master-port 29500
 """
-import os
-import sys
+import itertools
 from datetime import timedelta
 
 import torch
@@ -108,11 +107,15 @@ def train(local_rank, nproc, args):
     amp_dtype = common.AMP_DTYPES[args.amp]
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
 
-    start_epoch = 0
+    start_epoch, start_step = 0, 0
     if args.resume or args.evaluate:  # every process loads, onto its own device
         ckpt = common.load_checkpoint(args.checkpoint, map_location=device)
-        start_epoch = common.restore(ckpt, model, optimizer, scheduler, scaler, args.checkpoint)
-        report.log(f"loaded {args.checkpoint}: {start_epoch} epoch(s) trained")
+        start_epoch, start_step = common.restore(ckpt, model, optimizer, scheduler, scaler,
+                                                 args.checkpoint)
+        if not common.same_everywhere(start_epoch, start_step, device=device):
+            raise common.Fatal(f"the nodes' copies of {args.checkpoint} are at different steps "
+                               "(a crash between two writes): copy the newest to every node")
+        report.log(f"loaded {args.checkpoint}: {start_epoch} epoch(s) + {start_step} step(s) trained")
     if args.evaluate:
         correct, total = common.evaluate(model, test_x, test_y, rank, world_size)
         report.record(epoch=start_epoch, evaluate=True, **common.accuracy_fields(correct, total))
@@ -122,13 +125,18 @@ def train(local_rank, nproc, args):
     # DDP all-reduces gradients during backward, so every replica takes the same step.
     # device_ids only for CUDA: a CPU module takes None.
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    # One checkpoint writer in all (concurrent writes to a shared disk corrupt the file), or
+    # one per node when nodes have no shared filesystem.
+    writer = (local_rank if args.save_on_each_node else rank) == 0
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch is the same
         model.train()
         loss_sum, seen = torch.zeros((), device=device), 0
         timer = common.Timer(device)
-        for step, (x, y) in enumerate(loader, 1):
+        # Resuming mid-epoch: set_epoch gives the same order as before, so skip what was done.
+        skip = start_step if epoch == start_epoch else 0
+        for step, (x, y) in enumerate(itertools.islice(loader, skip, None), skip + 1):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
@@ -144,13 +152,17 @@ def train(local_rank, nproc, args):
                 mean_loss = common.reduce_tensor(loss_sum).item() / seen
                 report.progress(epoch, step, len(loader), mean_loss,
                                 scheduler.get_last_lr()[0], timer.elapsed(), seen * world_size)
+            if writer and args.save_every and step % args.save_every == 0 and step < len(loader):
+                state = common.checkpoint_state(model.module, optimizer, scheduler, scaler,
+                                                epoch, step, args)  # mid-epoch: no barrier
+                common.save_checkpoint(state, args.checkpoint)
         train_loss = common.reduce_tensor(loss_sum).item() / seen  # the mean over all processes
         seconds = timer.elapsed()
 
         correct, total = common.evaluate(model.module, test_x, test_y, rank, world_size)
-        if rank == 0 and args.checkpoint:  # one writer: concurrent writes corrupt the file
+        if writer and args.checkpoint:
             state = common.checkpoint_state(model.module, optimizer, scheduler, scaler,
-                                            epoch + 1, args)
+                                            epoch + 1, 0, args)
             common.save_checkpoint(state, args.checkpoint)
         dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is complete
         report.record(epoch=epoch + 1, train_loss=train_loss, **common.accuracy_fields(correct, total),

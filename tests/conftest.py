@@ -6,6 +6,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,13 +45,14 @@ def tiny_mnist(tmp_path_factory):
     return make_tiny_mnist(tmp_path_factory.mktemp("mnist"))
 
 
-def script_env(record=None, block=None):
+def script_env(record=None, block=None, **extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INSTRUMENT), env.get("PYTHONPATH")]))
     env["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"  # show all
     env.pop("OMP_NUM_THREADS", None)
-    env.pop("DDP_TEST_RECORD", None)
-    env.pop("DDP_TEST_BLOCK", None)
+    for name in ("DDP_TEST_RECORD", "DDP_TEST_BLOCK", "DDP_TEST_STEP_DELAY", "DDP_TEST_SLOW_SAVE"):
+        env.pop(name, None)
+    env.update({k: str(v) for k, v in extra.items()})
     if record:
         env["DDP_TEST_RECORD"] = str(record)
     if block:
@@ -58,10 +60,12 @@ def script_env(record=None, block=None):
     return env
 
 
-def run_script(script, *args, timeout=120, record=None, block=None, check=True):
-    """Run a script of the repo as its own process group; kill the group on timeout."""
-    cmd = [sys.executable, str(ROOT / script), *map(str, args)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(record, block), text=True,
+def run_script(script, *args, timeout=120, record=None, block=None, check=True, launcher=(),
+               cwd=ROOT, allow=None):
+    """Run a script of the repo (under `launcher`, e.g. torchrun's module) as its own process
+    group; kill the group on timeout."""
+    cmd = [sys.executable, *map(str, launcher), str(ROOT / script), *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=script_env(record, block), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
@@ -73,9 +77,17 @@ def run_script(script, *args, timeout=120, record=None, block=None, check=True):
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and proc.returncode != 0:
         pytest.fail(f"{script} exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}")
-    for line in (out + err).splitlines():
-        assert "FutureWarning" not in line and "DeprecationWarning" not in line, line
+    assert_no_deprecation_warnings(out + err, allow)
     return result
+
+
+def assert_no_deprecation_warnings(text, allow=None):
+    """No FutureWarning or DeprecationWarning, except a line containing `allow` (a warning the
+    test expects from a launcher it runs on purpose)."""
+    for line in text.splitlines():
+        if allow and allow in line:
+            continue
+        assert "FutureWarning" not in line and "DeprecationWarning" not in line, line
 
 
 def read_metrics(path):
@@ -95,3 +107,27 @@ def busy_port():
     s.bind(("", 0))
     s.listen()
     return s
+
+
+def load(path):
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_training_state(a, b):
+    """Two checkpoints hold exactly the same model, optimizer, scheduler and position."""
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"])
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for i, state in a["optimizer"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, b["optimizer"]["state"][i][k]), (i, k)
+    assert a["scheduler"] == b["scheduler"]
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.01)

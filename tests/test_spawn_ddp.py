@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch

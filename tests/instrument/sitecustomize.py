@@ -5,13 +5,41 @@ changes none of their results:
   DDP_TEST_RECORD=DIR   record each rank's training-sampler indices per epoch, every torch.save
                         call, and each rank's final model state at destroy_process_group
   DDP_TEST_BLOCK=NAME   make `import NAME` fail, to test the message for a missing package
+  DDP_TEST_STEP_DELAY=S sleep S seconds before every optimizer step (slower, same results), so
+                        that a test can kill a worker in the middle of an epoch
+  DDP_TEST_SLOW_SAVE=S  torch.save to a path writes half the bytes, sleeps S seconds, then
+                        writes the rest (a slow disk), so that a kill can land mid-write
 """
+import io
 import json
 import os
 import sys
+import time
 
 if os.environ.get("DDP_TEST_BLOCK"):
     sys.modules[os.environ["DDP_TEST_BLOCK"]] = None  # import NAME now raises ImportError
+
+if os.environ.get("DDP_TEST_STEP_DELAY"):
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    _delay = float(os.environ["DDP_TEST_STEP_DELAY"])
+    register_optimizer_step_pre_hook(lambda *_: time.sleep(_delay))
+
+if os.environ.get("DDP_TEST_SLOW_SAVE"):
+    import torch
+    _slow, _fast_save = float(os.environ["DDP_TEST_SLOW_SAVE"]), torch.save
+
+    def _slow_save(obj, f, *args, **kwargs):
+        if not isinstance(f, (str, os.PathLike)):
+            return _fast_save(obj, f, *args, **kwargs)
+        buf = io.BytesIO()
+        _fast_save(obj, buf, *args, **kwargs)
+        data = buf.getvalue()
+        with open(f, "wb") as out:
+            out.write(data[:len(data) // 2])
+            out.flush()
+            time.sleep(_slow)
+            out.write(data[len(data) // 2:])
+    torch.save = _slow_save
 
 RECORD = os.environ.get("DDP_TEST_RECORD")
 if RECORD:

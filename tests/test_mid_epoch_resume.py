@@ -1,0 +1,40 @@
+"""--save-every in the scripts without an elastic agent: the whole job is killed in the middle
+of an epoch (a preempted machine), then `--resume` continues from the snapshot's step and ends
+exactly where an uninterrupted run ends. (torchrun_ddp.py resumes by itself: see its tests.)"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, assert_same_training_state, load, run_script, script_env, wait_for
+
+ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 100,
+        "--timeout", 30)  # 19 steps per epoch; snapshots at steps 6, 12, 18
+
+
+@pytest.mark.parametrize("script,procs", [("spawn_ddp.py", ["--nproc-per-node", 2]),
+                                          ("dp_baseline.py", [])])
+def test_killed_job_resumes_mid_epoch_bit_identical(tiny_mnist, tmp_path, script, procs):
+    args = ["--data-dir", tiny_mnist, *ARGS, *procs]
+    run_script(script, *args, "--checkpoint", tmp_path / "straight.pt")
+
+    snap = tmp_path / "snap.pt"
+    cmd = [sys.executable, str(ROOT / script), *map(str, args), "--checkpoint", str(snap)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(DDP_TEST_STEP_DELAY=0.05), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        wait_for(snap.exists, 90, "the first snapshot")
+        time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # every process of the job, at once
+        proc.communicate()
+    state = load(snap)
+    assert state["epoch"] == 0 and state["step"] > 0  # killed in the middle of the first epoch
+
+    r = run_script(script, *args, "--checkpoint", snap, "--resume")
+    assert f"0 epoch(s) + {state['step']} step(s) trained" in r.stdout
+    assert_same_training_state(load(tmp_path / "straight.pt"), load(snap))

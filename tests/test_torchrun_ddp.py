@@ -1,0 +1,289 @@
+"""torchrun_ddp.py end to end: real torchrun agents and workers on gloo (CPU)."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import N_TEST, ROOT, assert_no_deprecation_warnings, assert_same_training_state, \
+    busy_port, load, read_metrics, read_records, run_script, script_env, wait_for
+
+SCRIPT = "torchrun_ddp.py"
+TORCHRUN = ("-m", "torch.distributed.run")  # the `torchrun` command, from this interpreter
+LEGACY = ("-m", "torch.distributed.launch")
+
+
+def standalone(nproc, *extra):
+    return (*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *extra)
+
+
+def tiny(data, *extra):
+    """Flags for a quick run on the tiny data, global batch 64 (10 steps per epoch)."""
+    return ["--data-dir", data, "--batch-size", 64, "--log-interval", 5, "--timeout", 30, *extra]
+
+
+def free_port():
+    with busy_port() as s:
+        return s.getsockname()[1]
+
+
+def assert_same_final_replicas(rec_a, rec_b, world_size):
+    """Every rank of two runs ended with bit-identical parameters and buffers."""
+    for r in range(world_size):
+        a, b = (load(Path(d) / f"final-rank{r}.pt") for d in (rec_a, rec_b))
+        for k in a:
+            assert torch.equal(a[k], b[k]), (r, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+def test_torchrun_standalone_trains_and_writes_one_checkpoint(tiny_mnist, tmp_path):
+    (tmp_path / "rec").mkdir()
+    r = run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 2, "--checkpoint", tmp_path / "c.pt",
+                                 "--metrics", tmp_path / "m.jsonl"),
+                   launcher=standalone(2), record=tmp_path / "rec")
+    rows = read_metrics(tmp_path / "m.jsonl")
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert all(row["world_size"] == 2 and row["total"] == N_TEST for row in rows)
+    assert rows[1]["train_loss"] < rows[0]["train_loss"]
+    assert "1 thread(s) each" in r.stdout  # torchrun's OMP_NUM_THREADS=1 is respected
+    assert "restart 0" in r.stdout
+    saves = [s for s in read_records(tmp_path / "rec", "save") if "c.pt" in s["path"]]
+    assert len(saves) == 2 and len({s["pid"] for s in saves}) == 1  # one writer, every epoch
+    assert sorted(p.name for p in tmp_path.glob("c.pt*")) == ["c.pt"]  # no temp file left
+    a, b = (load(tmp_path / "rec" / f"final-rank{r}.pt") for r in (0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the replicas agree
+
+
+@pytest.mark.parametrize("how", ["legacy launch module", "plain python"])
+def test_other_ways_to_start(tiny_mnist, tmp_path, how):
+    """The legacy launcher passes --local-rank (and sets LOCAL_RANK); plain python has neither.
+    Both must train exactly like torchrun at the same world size."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    nproc = 2 if how.startswith("legacy") else 1
+    run_script(SCRIPT, *tiny(tiny_mnist, "--checkpoint", ref / "c.pt"),
+               launcher=standalone(nproc), record=ref)
+    (tmp_path / "rec").mkdir()
+    if how.startswith("legacy"):  # the launcher itself warns that it is deprecated: expected
+        r = run_script(SCRIPT, *tiny(tiny_mnist, "--checkpoint", tmp_path / "c.pt"),
+                       launcher=(*LEGACY, "--nproc-per-node=2"), record=tmp_path / "rec",
+                       allow="torch.distributed.launch is deprecated")
+        assert "2 processes" in r.stdout
+    else:
+        r = run_script(SCRIPT, *tiny(tiny_mnist, "--checkpoint", tmp_path / "c.pt"),
+                       record=tmp_path / "rec")
+        assert "1 processes" in r.stdout
+    assert_same_training_state(load(ref / "c.pt"), load(tmp_path / "c.pt"))
+    assert_same_final_replicas(ref, tmp_path / "rec", nproc)
+
+
+def test_old_local_rank_spelling_is_accepted(tiny_mnist):
+    """Launchers before torch 2.0 pass `--local_rank=N` (the legacy test covers `--local-rank`)."""
+    r = run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 0, "--local_rank=0"))
+    assert "1 processes" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Elastic: snapshots, automatic resume, surviving a killed worker
+
+KILL_ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 100,
+             "--timeout", 30)  # 19 steps per epoch; snapshots at steps 6, 12, 18 and epoch ends
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_mnist, tmp_path_factory):
+    d = tmp_path_factory.mktemp("uninterrupted")
+    run_script(SCRIPT, "--data-dir", tiny_mnist, *KILL_ARGS, "--checkpoint", d / "snap.pt",
+               launcher=standalone(2), record=d)
+    return d
+
+
+def workers_of(agent_pid):
+    """{rank: pid} of the training processes that torchrun's agent started (its children)."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            env = dict(kv.split("=", 1) for kv in
+                       (d / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if "RANK" in env:
+            found[int(env["RANK"])] = int(d.name)
+    return found
+
+
+@pytest.mark.parametrize("victim", ["rank 1", "rank 0 while writing"])
+def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, uninterrupted,
+                                                        victim):
+    """SIGKILL one worker mid-epoch, after the first snapshot. torchrun restarts the group, the
+    script resumes from the snapshot by itself, and the final weights equal a run that was
+    never interrupted. Killing rank 0 while it writes a snapshot (a slow disk, simulated) must
+    leave the previous snapshot intact."""
+    snap, tmp_file = tmp_path / "snap.pt", tmp_path / "snap.pt.tmp"
+    mid_write = victim.endswith("writing")
+    (tmp_path / "rec").mkdir()
+    env = script_env(record=tmp_path / "rec", DDP_TEST_STEP_DELAY=0.05,
+                     **({"DDP_TEST_SLOW_SAVE": 0.5} if mid_write else {}))
+    cmd = [sys.executable, *standalone(2, "--max-restarts=1"), str(ROOT / SCRIPT),
+           "--data-dir", str(tiny_mnist), *map(str, KILL_ARGS), "--checkpoint", str(snap)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        if mid_write:  # the second snapshot is being written: the first one is complete
+            wait_for(lambda: snap.exists() and tmp_file.exists(), 90, "the second snapshot")
+        else:
+            wait_for(snap.exists, 90, "the first snapshot")
+        os.kill(workers_of(proc.pid)[int(victim.split()[1])], signal.SIGKILL)
+        if mid_write:
+            assert load(snap)["step"] == 6  # the previous snapshot, whole
+            with pytest.raises(Exception):  # the one being written was cut off: half a file
+                load(tmp_file)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, f"{out}\n{err}"
+    assert_no_deprecation_warnings(out + err)
+    assert "restart 1 (TORCHELASTIC_RESTART_COUNT)" in out
+    resumed = [ln for ln in out.splitlines() if ln.startswith(f"loaded {snap}")]
+    assert resumed and "+ 0 step(s)" not in resumed[0], out  # resumed in the middle of an epoch
+    assert_same_training_state(load(uninterrupted / "snap.pt"), load(snap))
+    assert_same_final_replicas(uninterrupted, tmp_path / "rec", 2)
+
+
+def test_finished_run_resumes_to_nothing(tiny_mnist, tmp_path):
+    """Rerunning the same command after it finished loads the snapshot and trains no more."""
+    args = tiny(tiny_mnist, "--checkpoint", tmp_path / "c.pt", "--metrics", tmp_path / "m.jsonl")
+    run_script(SCRIPT, *args, launcher=standalone(2))
+    before = (tmp_path / "c.pt").read_bytes()
+    r = run_script(SCRIPT, *args, launcher=standalone(2))
+    assert "loaded" in r.stdout and "1 epoch(s) + 0 step(s)" in r.stdout
+    assert len(read_metrics(tmp_path / "m.jsonl")) == 1
+    assert (tmp_path / "c.pt").read_bytes() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Several nodes
+
+def start_nodes(tmp_path, tiny_mnist, script_args, nodes=2, started=None, host="127.0.0.1",
+                netns=None, agent_args=()):
+    """One torchrun agent per "node" (only `started` of them, if given), each in its own
+    directory (a disk of its own), meeting through the c10d rendezvous on `host`."""
+    port, job = free_port(), uuid.uuid4().hex[:8]
+    procs = []
+    for n in range(nodes if started is None else started):
+        cwd = tmp_path / f"node{n}"
+        cwd.mkdir()
+        env = script_env()
+        prefix, extra = [], []
+        if netns:  # run inside the namespace, gloo on its veth end, this node's own address
+            prefix = ["ip", "netns", "exec", netns[n]["ns"]]
+            env["GLOO_SOCKET_IFNAME"] = netns[n]["dev"]
+            extra = [f"--local-addr={netns[n]['addr']}", f"--rdzv-conf=is_host={int(n == 0)}"]
+        cmd = [*prefix, sys.executable, *TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={job}",
+               *extra, *agent_args, str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist),
+               *map(str, script_args)]
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=150)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for out in outs:
+        assert_no_deprecation_warnings(out)
+    return [p.returncode for p in procs], outs
+
+
+NODE_ARGS = ("--batch-size", 64, "--epochs", 2, "--timeout", 30, "--checkpoint", "ckpt/c.pt",
+             "--metrics", "m.jsonl")
+
+
+def check_two_node_run(tmp_path, rcs, outs, each_node):
+    assert rcs == [0, 0], "\n".join(outs)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    reporters = [d for d in nodes if (d / "m.jsonl").exists()]
+    assert len(reporters) == 1  # global rank 0 alone reports, on whichever node it landed
+    rows = read_metrics(reporters[0] / "m.jsonl")
+    assert [r["world_size"] for r in rows] == [2, 2] and rows[-1]["total"] == N_TEST
+    saved = [d / "ckpt" / "c.pt" for d in nodes if (d / "ckpt" / "c.pt").exists()]
+    if not each_node:
+        assert saved == [reporters[0] / "ckpt" / "c.pt"]  # exactly one writer in the job
+    else:
+        assert len(saved) == 2  # one copy per node, and the copies are the same model
+        assert_same_training_state(load(saved[0]), load(saved[1]))
+
+
+@pytest.mark.parametrize("each_node", [False, True], ids=["one-writer", "save-on-each-node"])
+def test_two_nodes_through_c10d_on_loopback(tiny_mnist, tmp_path, each_node):
+    rcs, outs = start_nodes(tmp_path, tiny_mnist,
+                            [*NODE_ARGS, *(["--save-on-each-node"] if each_node else [])])
+    check_two_node_run(tmp_path, rcs, outs, each_node)
+
+
+@pytest.fixture
+def two_namespaces():
+    """Two network namespaces joined by a veth pair: two hosts with their own addresses."""
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` command (iproute2) is not installed")
+    tag = uuid.uuid4().hex[:6]
+    ns = [{"ns": f"ddp{tag}{n}", "dev": f"vddp{tag}{n}", "addr": f"10.213.0.{n + 1}"}
+          for n in (0, 1)]
+
+    def ip(*args):
+        return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+    made = []
+    try:
+        for n in ns:
+            r = ip("netns", "add", n["ns"])
+            if r.returncode != 0:
+                pytest.skip(f"network namespaces not permitted here: {r.stderr.strip()}")
+            made.append(n["ns"])
+        steps = [("link", "add", ns[0]["dev"], "type", "veth", "peer", "name", ns[1]["dev"])]
+        for n in ns:
+            steps += [("link", "set", n["dev"], "netns", n["ns"]),
+                      ("-n", n["ns"], "addr", "add", f"{n['addr']}/24", "dev", n["dev"]),
+                      ("-n", n["ns"], "link", "set", n["dev"], "up"),
+                      ("-n", n["ns"], "link", "set", "lo", "up")]
+        for step in steps:
+            r = ip(*step)
+            if r.returncode != 0:
+                pytest.skip(f"cannot set up a veth pair here: ip {' '.join(step)}: {r.stderr.strip()}")
+        yield ns
+    finally:
+        for name in made:
+            ip("netns", "del", name)  # deletes the veth ends inside it too
+
+
+def test_two_nodes_in_network_namespaces(tiny_mnist, tmp_path, two_namespaces):
+    """Closer to two real hosts: each node has its own network stack and address."""
+    rcs, outs = start_nodes(tmp_path, tiny_mnist, [*NODE_ARGS, "--save-on-each-node"],
+                            host=two_namespaces[0]["addr"], netns=two_namespaces)
+    check_two_node_run(tmp_path, rcs, outs, each_node=True)
+
+
+def test_lone_node_fails_within_the_rendezvous_timeout(tiny_mnist, tmp_path):
+    start = time.monotonic()
+    rcs, outs = start_nodes(tmp_path, tiny_mnist, NODE_ARGS, nodes=2, started=1,
+                            agent_args=["--rdzv-conf=join_timeout=5"])
+    assert rcs[0] != 0
+    assert time.monotonic() - start < 60
+    assert "RendezvousTimeoutError" in outs[0]
