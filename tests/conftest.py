@@ -45,9 +45,10 @@ def tiny_mnist(tmp_path_factory):
     return make_tiny_mnist(tmp_path_factory.mktemp("mnist"))
 
 
-def script_env(record=None, block=None, **extra):
+def script_env(record=None, block=None, pythonpath=(), **extra):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INSTRUMENT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, pythonpath), str(INSTRUMENT),
+                                                      env.get("PYTHONPATH")]))
     env["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"  # show all
     env.pop("OMP_NUM_THREADS", None)
     for name in ("DDP_TEST_RECORD", "DDP_TEST_BLOCK", "DDP_TEST_STEP_DELAY", "DDP_TEST_SLOW_SAVE"):
@@ -61,12 +62,12 @@ def script_env(record=None, block=None, **extra):
 
 
 def run_script(script, *args, timeout=120, record=None, block=None, check=True, launcher=(),
-               cwd=ROOT, allow=None):
+               cwd=ROOT, allow=None, pythonpath=(), **extra_env):
     """Run a script of the repo (under `launcher`, e.g. torchrun's module) as its own process
     group; kill the group on timeout."""
     cmd = [sys.executable, *map(str, launcher), str(ROOT / script), *map(str, args)]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=script_env(record, block), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=script_env(record, block, pythonpath, **extra_env),
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
