@@ -201,11 +201,26 @@ def load_mnist(args, device):
             _normalise(vx).to(device), vy.to(device))
 
 
+class TimedLoader(DataLoader):
+    """A DataLoader that also adds up how long the loop waits for its batches: `wait_seconds`,
+    reset at the start of each pass (reported as the epoch's `data_wait` share)."""
+
+    def __iter__(self):
+        self.wait_seconds, batches = 0.0, super().__iter__()
+        while True:
+            start = time.perf_counter()
+            batch = next(batches, None)
+            self.wait_seconds += time.perf_counter() - start
+            if batch is None:
+                return
+            yield batch
+
+
 def batch_loader(dataset, sampler, batch_size):
     """DataLoader that asks the dataset for a whole batch of indices at once. A TensorDataset
     indexes every tensor with the list, so there is no per-item Python work or collation."""
-    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False),
-                      batch_size=None)
+    return TimedLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False),
+                       batch_size=None)
 
 
 # ---------------------------------------------------------------------------------------------

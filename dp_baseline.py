@@ -114,7 +114,8 @@ def train(gpus, args):
                                             epoch + 1, 0, args)
             common.save_checkpoint(state, args.checkpoint)
         report.record(epoch=epoch + 1, train_loss=train_loss, **common.accuracy_fields(correct, total),
-                      epoch_seconds=seconds, samples_per_s=seen / seconds)
+                      epoch_seconds=seconds, samples_per_s=seen / seconds,
+                      data_wait=loader.wait_seconds / seconds)
         if epoch + 1 == args.stop_after:
             break
 

@@ -166,7 +166,8 @@ def train(local_rank, nproc, args):
             common.save_checkpoint(state, args.checkpoint)
         dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is complete
         report.record(epoch=epoch + 1, train_loss=train_loss, **common.accuracy_fields(correct, total),
-                      epoch_seconds=seconds, samples_per_s=seen * world_size / seconds)
+                      epoch_seconds=seconds, samples_per_s=seen * world_size / seconds,
+                      data_wait=loader.wait_seconds / seconds)
         if epoch + 1 == args.stop_after:
             break
 
