@@ -96,8 +96,8 @@ def clean_exit(who=""):
         print(f"{who}error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except (dist.DistError, RuntimeError) as e:  # a peer died, never came, or the port is taken
-        if not isinstance(e, dist.DistError) and "/gloo/" not in str(e):  # gloo raises
-            raise                                                         # RuntimeError
+        if not isinstance(e, dist.DistError) and "/gloo/" not in str(e):
+            raise  # gloo reports a lost peer as RuntimeError; any other one is a real bug
         line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         line = re.sub(r"^\[\S+\] ", "", line.strip())  # drop gloo's "[source.cc:123] "
         print(f"{who}error: distributed: {line[:300]}", file=sys.stderr, flush=True)

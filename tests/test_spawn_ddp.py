@@ -9,8 +9,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import N_TEST, N_TRAIN, ROOT, busy_port, read_metrics, read_records, run_script, \
-    script_env
+from conftest import N_TEST, N_TRAIN, ROOT, assert_same_training_state, busy_port, read_metrics, \
+    read_records, run_script, script_env
 
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
@@ -120,12 +120,7 @@ def test_resume_is_bit_identical(tiny_mnist, tmp_path):
     run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 2, "--checkpoint", split, "--resume"))
     a, b = (torch.load(p, weights_only=True) for p in (straight, split))
     assert a["epoch"] == b["epoch"] == 2
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    for i, state in a["optimizer"]["state"].items():
-        for k, v in state.items():
-            assert torch.equal(v, b["optimizer"]["state"][i][k]), (i, k)
-    assert a["scheduler"] == b["scheduler"]
+    assert_same_training_state(a, b)  # model, optimizer state, schedule, bit for bit
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
