@@ -14,6 +14,12 @@ import time
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose: this module binds `group.WORLD` as a
+# default argument when it is first imported. DDP's constructor imports it (through
+# torch._dynamo); imported then, it pins the live group, so destroy_process_group cannot free
+# it and gloo's threads run on into interpreter shutdown, where they can abort the process
+# ("terminate called without an active exception", exit code -6). tests/test_shutdown.py.
+import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset

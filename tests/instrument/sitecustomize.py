@@ -3,13 +3,15 @@ worker) when tests put this folder on PYTHONPATH. It observes what the real scri
 changes none of their results:
 
   DDP_TEST_RECORD=DIR   record each rank's training-sampler indices per epoch, every torch.save
-                        call, and each rank's final model state at destroy_process_group
+                        call, each rank's final model state at destroy_process_group, and the
+                        threads each rank still runs when its script has returned (at exit)
   DDP_TEST_BLOCK=NAME   make `import NAME` fail, to test the message for a missing package
   DDP_TEST_STEP_DELAY=S sleep S seconds before every optimizer step (slower, same results), so
                         that a test can kill a worker in the middle of an epoch
   DDP_TEST_SLOW_SAVE=S  torch.save to a path writes half the bytes, sleeps S seconds, then
                         writes the rest (a slow disk), so that a kill can land mid-write
 """
+import atexit
 import io
 import json
 import os
@@ -84,3 +86,25 @@ if RECORD:
                   os.path.join(RECORD, f"final-rank{dist.get_rank()}.pt"))
         return _destroy(*args, **kwargs)
     dist.destroy_process_group = _recording_destroy
+
+    _init_pg = dist.init_process_group
+    _ranks = []
+
+    def _recording_init_pg(*args, **kwargs):
+        _init_pg(*args, **kwargs)
+        _ranks.append(dist.get_rank())
+    dist.init_process_group = _recording_init_pg
+
+    def _record_threads_at_exit():
+        # atexit runs after the script has returned and before the interpreter tears down.
+        # gloo's threads (named gloo_* / pt_gloo_*) are C++ threads, invisible to `threading`.
+        if _ranks:
+            names = []
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{tid}/comm") as f:
+                        names.append(f.read().strip())
+                except OSError:  # the thread ended meanwhile
+                    pass
+            _append("exit", {"rank": _ranks[-1], "threads": sorted(names)})
+    atexit.register(_record_threads_at_exit)
