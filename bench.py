@@ -7,6 +7,7 @@ hit all configurations alike; every ratio comes from this one run.
 
     python bench.py --data-dir ../shared/data                       # the README's table
     python bench.py --data-dir ../shared/data --amp bf16 --reps 5
+    python bench.py --data-dir ../shared/data --channels-last both    # NCHW and NHWC side by side
     python bench.py --dummy --reps 1 --scripts spawn_ddp --world-sizes 1 2
 """
 import argparse
@@ -25,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = ("dp_baseline", "spawn_ddp", "torchrun_ddp", "apex_ddp")
 TARGET = 99.0  # test accuracy, percent
+CL = " +channels_last"  # the row label of a run with --channels-last
 
 
 def command(script, world_size, args):
@@ -101,6 +103,8 @@ def main():
     p.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=list(SCRIPTS))
     p.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none")
+    p.add_argument("--channels-last", choices=["off", "on", "both"], default="off",
+                   help="run with --channels-last: off, on, or both side by side (default: off)")
     p.add_argument("--reps", type=int, default=5, help="repetitions, seeds 0..reps-1 (default: 5)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=256, help="global batch (default: 256)")
@@ -113,8 +117,10 @@ def main():
         except ImportError:
             sys.exit("error: --png needs matplotlib: pip install matplotlib")
 
-    configs = [(s, n, command(s, n, args)) for s in args.scripts for n in args.world_sizes]
-    configs = [(s, n, cmd) for s, n, cmd in configs if cmd is not None]
+    variants = {"off": [""], "on": [CL], "both": ["", CL]}[args.channels_last]
+    configs = [(s + v, n, command(s, n, args) + ["--channels-last"] * bool(v))
+               for v in variants for s in args.scripts for n in args.world_sizes
+               if command(s, n, args) is not None]
     if not configs:
         sys.exit("error: no script runs at these world sizes with this --amp")
     results = {(s, n): [] for s, n, _ in configs}
@@ -128,7 +134,8 @@ def main():
 
     print(f"\nMachine: {machine()}")
     print(f"Work: {'synthetic data' if args.dummy else 'MNIST'}, {args.epochs} epoch(s), global "
-          f"batch {args.batch_size}, --amp {args.amp}, {args.reps} seed(s) per row; median "
+          f"batch {args.batch_size}, --amp {args.amp}, --channels-last {args.channels_last}, "
+          f"{args.reps} seed(s) per row; median "
           f"(min-max)\n")
     print(f"| script | processes x threads | s to {TARGET:g}% | test acc. mean (worst) | "
           "epoch s | samples/s | data wait | DDP efficiency | wall s |")
@@ -136,7 +143,7 @@ def main():
     for (s, n), rs in results.items():
         ones = results.get((s, 1))
         eff = "-"
-        if s != "dp_baseline" and n > 1 and ones:  # throughput at N / throughput at 1
+        if not s.startswith("dp_baseline") and n > 1 and ones:  # throughput at N / throughput at 1
             eff = f"{statistics.median(r['samples_s'] for r in rs) / statistics.median(r['samples_s'] for r in ones):.2f}"
         reached = sum(r["to_target"] is not None for r in rs)
         accs = [r["acc"] for r in rs]
@@ -154,14 +161,22 @@ def main():
             return f"{ma / mb:.2f}"
         return None
     lines = []
-    for s in ("spawn_ddp", "torchrun_ddp"):
-        r = ratio((s, 2), (s, 1))
-        if r:
-            lines.append(f"- {s}: epoch time at 2 processes / at 1 process (same global batch): {r}")
-        r = ratio((s, 1), ("dp_baseline", 1))
-        if r and not torch.cuda.is_available():  # on CPU dp_baseline is the bare loop
-            lines.append(f"- {s} at world size 1 / the same loop without DDP (dp_baseline on "
-                         f"CPU): {r}")
+    for v in variants:
+        for s in ("spawn_ddp" + v, "torchrun_ddp" + v):
+            r = ratio((s, 2), (s, 1))
+            if r:
+                lines.append(f"- {s}: epoch time at 2 processes / at 1 process (same global "
+                             f"batch): {r}")
+            r = ratio((s, 1), ("dp_baseline" + v, 1))
+            if r and not torch.cuda.is_available():  # on CPU dp_baseline is the bare loop
+                lines.append(f"- {s} at world size 1 / the same loop without DDP (dp_baseline "
+                             f"on CPU): {r}")
+    for s, n in results:
+        if s.endswith(CL):
+            r = ratio((s, n), (s[:-len(CL)], n))
+            if r:
+                lines.append(f"- {s[:-len(CL)]} x{n}: epoch time with --channels-last / "
+                             f"without: {r}")
     if lines:
         print("\nRatios of median epoch times, from this run:\n" + "\n".join(lines))
     if args.png:

@@ -57,6 +57,8 @@ def build_parser(description):
     a("--amp", choices=sorted(AMP_DTYPES), default="none", help="mixed precision: torch.autocast "
       "with this dtype; fp16 adds a GradScaler (default: none)")
     a("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm (CUDA only)")
+    a("--channels-last", action="store_true", help="keep conv weights in channels_last (NHWC) "
+      "memory format: faster convolutions on CPU here, see README")
     a("--checkpoint", metavar="PATH", help="written after every epoch by one process")
     a("--save-every", type=int, default=0, metavar="STEPS", help="also write --checkpoint every "
       "this many steps inside an epoch; a resume continues from that step (default: off)")

@@ -92,6 +92,8 @@ def train(local_rank, nproc, args):
     # rank 0's at construction). SyncBatchNorm must replace BatchNorm before the DDP wrap.
     common.seed_everything(args.seed)
     model = common.Net().to(device)
+    if args.channels_last:  # NHWC weights: faster convolutions (README, Speed). MNIST's
+        model = model.to(memory_format=torch.channels_last)  # one channel is NHWC already
     if args.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     optimizer = common.make_optimizer(model, args)

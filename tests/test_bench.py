@@ -31,3 +31,14 @@ def test_bench_refuses_what_it_cannot_run(tiny_mnist):
     r = run_script("bench.py", "--data-dir", tiny_mnist, "--scripts", "dp_baseline",
                    "--world-sizes", 2, check=False)
     assert r.returncode != 0 and "error: no script runs" in r.stderr
+
+
+def test_bench_compares_channels_last_side_by_side(tiny_mnist):
+    r = run_script("bench.py", "--data-dir", tiny_mnist, "--reps", 1, "--batch-size", 64,
+                   "--scripts", "dp_baseline", "--world-sizes", 1, "--channels-last", "both",
+                   timeout=300)
+    labels = [ln.split("|")[1].strip() for ln in r.stdout.splitlines()
+              if ln.startswith("| dp_baseline")]
+    assert labels == ["dp_baseline", "dp_baseline +channels_last"]
+    assert re.search(r"dp_baseline x1: epoch time with --channels-last / without: \d+\.\d\d",
+                     r.stdout)
