@@ -99,7 +99,7 @@ def train(local_rank, nproc, args, use_apex, why):
     if "RANK" in os.environ:
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         store = dist.PrefixStore(f"restart{restart}/", store)
-    else:  # plain `python torchrun_ddp.py`: a group of one, in memory, no port needed
+    else:  # plain `python apex_ddp.py`: a group of one, in memory, no port needed
         store = dist.HashStore()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)

@@ -110,6 +110,12 @@ def busy_port():
     return s
 
 
+def free_port():
+    """A port number that was free a moment ago (for a process about to bind it)."""
+    with busy_port() as s:
+        return s.getsockname()[1]
+
+
 def load(path):
     return torch.load(path, weights_only=True)
 

@@ -1,11 +1,10 @@
 """apex_ddp.py: the native path for real (gloo, 2 processes), and the apex path's control flow
 with a STAND-IN apex package (tests/standin: not apex, see its README). Real apex needs CUDA
 and a source build; no test here runs it."""
-import json
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, load, run_script
+from conftest import ROOT, assert_same_training_state, load, read_metrics, run_script
 
 SCRIPT = "apex_ddp.py"
 STANDIN = ROOT / "tests" / "standin"
@@ -58,14 +57,10 @@ def test_native_path_checkpoints_and_resumes(tiny_mnist, tmp_path):
     assert first["args"]["amp"] == "bf16" and not first["scaler"] and "amp" not in first
     r2 = run_script(SCRIPT, *args, launcher=TORCHRUN, block="apex")  # resumes by itself
     assert "loaded" in r2.stdout and "1 epoch(s) + 0 step(s)" in r2.stdout
-    rows = read_jsonl(metrics)
+    rows = read_metrics(metrics)
     assert [row["epoch"] for row in rows] == [1, 2]
     assert rows[1]["train_loss"] < rows[0]["train_loss"]  # finite, and still learning
     assert "Traceback" not in r1.stderr + r2.stderr
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_apex_path_control_flow_with_the_standin(tiny_mnist, tmp_path, native_o0):
@@ -85,7 +80,7 @@ def test_apex_path_control_flow_with_the_standin(tiny_mnist, tmp_path, native_o0
     run_script(SCRIPT, *args, launcher=LEGACY, pythonpath=[STANDIN], APEX_STANDIN_LOG=log,
                allow="torch.distributed.launch is deprecated")
 
-    calls = read_jsonl(log)
+    calls = read_metrics(log)  # one JSON object per line, like --metrics
     runs = {}
     for c in calls:
         runs.setdefault(c["pid"], []).append(c)

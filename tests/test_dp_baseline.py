@@ -1,13 +1,9 @@
 """dp_baseline.py: runs on CPU, matches spawn_ddp.py at world size 1, shares its checkpoints."""
 import torch
 
-from conftest import N_TEST, read_metrics, run_script
+from conftest import N_TEST, load, read_metrics, run_script
 
 FLAGS = ["--batch-size", 64, "--lr", 0.02, "--log-interval", 5]
-
-
-def load(path):
-    return torch.load(path, weights_only=True)
 
 
 def assert_same_model(a, b):

@@ -9,8 +9,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import N_TEST, N_TRAIN, ROOT, assert_same_training_state, busy_port, load, \
-    read_metrics, read_records, run_script, script_env
+from conftest import N_TEST, N_TRAIN, ROOT, assert_same_training_state, busy_port, free_port, \
+    load, read_metrics, read_records, run_script, script_env
 
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
@@ -67,11 +67,11 @@ def test_checkpoint_loads_safely_into_a_plain_model(trained):
 
 def test_replicas_are_identical_after_training(trained):
     d, _ = trained
-    states = [torch.load(d / "record" / f"final-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    states = [load(d / "record" / f"final-rank{r}.pt") for r in (0, 1)]
     assert states[0].keys() == states[1].keys()
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
-    saved = torch.load(d / "ckpt" / "model.pt", weights_only=True)["model"]
+    saved = load(d / "ckpt" / "model.pt")["model"]
     for k in saved:  # and the checkpoint holds exactly that model
         assert torch.equal(saved[k], states[0][k]), k
 
@@ -103,7 +103,7 @@ def test_evaluation_is_exact_at_every_world_size(trained, tiny_mnist, tmp_path, 
 
 def test_module_prefixed_checkpoint_is_accepted(trained, tiny_mnist, tmp_path):
     d, _ = trained
-    ckpt = torch.load(d / "ckpt" / "model.pt", weights_only=True)
+    ckpt = load(d / "ckpt" / "model.pt")
     ckpt["model"] = {f"module.{k}": v for k, v in ckpt["model"].items()}  # as DDP/DP save it
     torch.save(ckpt, tmp_path / "prefixed.pt")
     run_script(SCRIPT, "--data-dir", tiny_mnist, "--nproc-per-node", 1, "--evaluate",
@@ -116,9 +116,9 @@ def test_resume_is_bit_identical(tiny_mnist, tmp_path):
     straight, split = tmp_path / "straight.pt", tmp_path / "split.pt"
     run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 2, "--checkpoint", straight))
     run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 2, "--stop-after", 1, "--checkpoint", split))
-    assert torch.load(split, weights_only=True)["epoch"] == 1
+    assert load(split)["epoch"] == 1
     run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 2, "--checkpoint", split, "--resume"))
-    a, b = (torch.load(p, weights_only=True) for p in (straight, split))
+    a, b = load(straight), load(split)
     assert a["epoch"] == b["epoch"] == 2
     assert_same_training_state(a, b)  # model, optimizer state, schedule, bit for bit
 
@@ -132,7 +132,7 @@ def test_mixed_precision_on_cpu(tiny_mnist, tmp_path, amp):
                              "--resume", "--metrics", metrics))
     [row] = read_metrics(metrics)
     assert row["epoch"] == 2 and row["train_loss"] == row["train_loss"]  # not NaN
-    scaler = torch.load(ckpt, weights_only=True)["scaler"]
+    scaler = load(ckpt)["scaler"]
     assert bool(scaler) == (amp == "fp16")  # only fp16 needs (and saves) a loss scale
 
 
@@ -154,8 +154,7 @@ def test_channels_last_trains_and_saves_a_plain_checkpoint(tiny_mnist, tmp_path)
 
 def test_two_nodes_on_one_machine(tiny_mnist, tmp_path):
     """Two launchers, one per "node", each starting one process, meet through node 0."""
-    with busy_port() as s:
-        port = s.getsockname()[1]  # reserve a port number, then free it for node 0
+    port = free_port()  # node 0 binds it
     common_args = [SCRIPT, "--data-dir", tiny_mnist, "--nnodes", 2, "--nproc-per-node", 1,
                    "--master-addr", "127.0.0.1", "--master-port", port, "--batch-size", 64,
                    "--timeout", 30]
@@ -174,8 +173,7 @@ def test_two_nodes_on_one_machine(tiny_mnist, tmp_path):
 
 
 def test_missing_peer_fails_within_timeout(tiny_mnist):
-    with busy_port() as s:
-        port = s.getsockname()[1]
+    port = free_port()
     start = time.monotonic()
     r = run_script(SCRIPT, "--data-dir", tiny_mnist, "--nnodes", 2, "--node-rank", 0,
                    "--nproc-per-node", 1, "--master-addr", "127.0.0.1", "--master-port", port,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import N_TEST, ROOT, assert_no_deprecation_warnings, assert_same_training_state, \
-    busy_port, load, read_metrics, read_records, run_script, script_env, wait_for
+    free_port, load, read_metrics, read_records, run_script, script_env, wait_for
 
 SCRIPT = "torchrun_ddp.py"
 TORCHRUN = ("-m", "torch.distributed.run")  # the `torchrun` command, from this interpreter
@@ -26,11 +26,6 @@ def standalone(nproc, *extra):
 def tiny(data, *extra):
     """Flags for a quick run on the tiny data, global batch 64 (10 steps per epoch)."""
     return ["--data-dir", data, "--batch-size", 64, "--log-interval", 5, "--timeout", 30, *extra]
-
-
-def free_port():
-    with busy_port() as s:
-        return s.getsockname()[1]
 
 
 def assert_same_final_replicas(rec_a, rec_b, world_size):
