@@ -34,12 +34,13 @@ except Exception as e:  # missing, the wrong package, or a release without amp/p
 def main():
     parser = common.build_parser(__doc__)
     g = parser.add_argument_group("launch (torchrun) and apex")
-    g.add_argument("--local-rank", "--local_rank", type=int, default=0,
+    g.add_argument("--local-rank", "--local_rank", type=common.natural_int, default=0,
                    help="passed by python -m torch.distributed.launch; LOCAL_RANK from the "
                    "environment takes precedence")
     g.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O1",
                    help="apex amp opt level (default: O1). Natively O0 is fp32 and the others "
-                   "autocast: float16 + GradScaler on GPUs, bfloat16 on CPU")
+                   "autocast: float16 + GradScaler on GPUs, bfloat16 on a CPU with bfloat16 "
+                   "instructions, fp32 on other CPUs")
     g.add_argument("--native", action="store_true", help="the native path even if apex works")
     args = parser.parse_args()
     if args.amp != "none":
@@ -61,18 +62,22 @@ def main():
         use_apex, why = False, "native PyTorch: apex needs CUDA and there is no GPU"
     else:
         use_apex, why = True, f"apex ({apex.__file__}), amp opt level {args.opt_level}"
-    # Natively, O1-O3 become autocast: float16 + GradScaler on GPUs, and bfloat16 on a CPU,
-    # where float16 is far slower than fp32.
+    # Natively, O1-O3 become autocast: float16 + GradScaler on GPUs, and bfloat16 on a CPU
+    # with bfloat16 instructions. On other CPUs both are slower than fp32, so: fp32.
     if not use_apex and args.opt_level != "O0":
-        args.amp = "fp16" if gpus else "bf16"
+        args.amp = "fp16" if gpus else "bf16" if common.fast_bf16_cpu() else "none"
     if not use_apex:
         why += f"; opt level {args.opt_level} -> " + {"none": "fp32", "bf16": "autocast bfloat16",
                                                      "fp16": "autocast float16 + GradScaler"}[args.amp]
+        if args.opt_level != "O0" and args.amp == "none":
+            why += f" (bfloat16 would be slower on this CPU: {common.amp_on_cpu_reason('bf16')})"
     if args.checkpoint and os.path.exists(args.checkpoint):
         args.resume = True  # elastic: a restarted group continues from the last snapshot
-    common.check_args(args, world_size=int(os.environ.get("WORLD_SIZE", 1)),
-                      cuda=gpus > 0 or (use_apex and standin))
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))  # the old launcher: flag
+    common.check_args(args, world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                      cuda=gpus > 0 or (use_apex and standin), say=local_rank == 0)
+    # GROUP_RANK: torchrun's index of this machine; its node 0 holds global rank 0.
+    common.check_outputs(args, int(os.environ.get("GROUP_RANK", 0)), say=local_rank == 0)
     train(local_rank, nproc, args, use_apex, why)
 
 
@@ -101,13 +106,16 @@ def train(local_rank, nproc, args, use_apex, why):
         store = dist.PrefixStore(f"restart{restart}/", store)
     else:  # plain `python apex_ddp.py`: a group of one, in memory, no port needed
         store = dist.HashStore()
+        common.gloo_on_loopback()
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout)
+                            timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)  # NCCL: this GPU
     report = common.Reporter(args, rank, world_size)
     report.log(f"{world_size} processes ({world_size // nproc} node(s) x {nproc}), backend "
                f"{backend}, device {device.type}, {torch.get_num_threads()} thread(s) each, "
                f"restart {restart} (TORCHELASTIC_RESTART_COUNT)")
     report.log(f"path: {why}")
+    report.log(common.describe_lr(args))
     if local_rank == 0:  # download once per machine, before anyone reads the files
         common.prepare_data(args)
     dist.barrier()
@@ -166,6 +174,11 @@ def train(local_rank, nproc, args, use_apex, why):
     # One checkpoint writer in all (concurrent writes to a shared disk corrupt the file), or
     # one per node when nodes have no shared filesystem.
     writer = (local_rank if args.save_on_each_node else rank) == 0
+    # A scheduler's SIGTERM (the notice before it kills the job) may reach any process at any
+    # step: all of them agree on one step to stop at, so the snapshot is the same model.
+    # torchrun also sends SIGTERM to its workers when it stops them (after a failure, at a
+    # resize, on its own SIGTERM): then too they leave a snapshot at the step they reached.
+    stop = common.StopSignal()
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch is the same
@@ -175,6 +188,15 @@ def train(local_rank, nproc, args, use_apex, why):
         # Resuming mid-epoch: set_epoch gives the same order as before, so skip what was done.
         skip = start_step if epoch == start_epoch else 0
         for step, (x, y) in enumerate(itertools.islice(loader, skip, None), skip + 1):
+            if stop():  # SIGTERM: every process stops before this step, after a snapshot
+                if writer and args.checkpoint:
+                    state = common.checkpoint_state(model.module, optimizer, scheduler, scaler,
+                                                    epoch, step - 1, args)
+                    if use_apex:
+                        state["amp"] = amp.state_dict()
+                    common.save_checkpoint(state, args.checkpoint)
+                dist.barrier()  # nobody exits before the snapshot is complete
+                raise common.Preempted(args, epoch, step - 1, say=rank == 0)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
             optimizer.zero_grad()  # no set_to_none=: apex O2 patches it without arguments
@@ -219,6 +241,7 @@ def train(local_rank, nproc, args, use_apex, why):
             break
 
     report.close()
+    stop.close()
     dist.destroy_process_group()
 
 

@@ -23,10 +23,13 @@ from pathlib import Path
 
 import torch
 
+import common
+
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = ("dp_baseline", "spawn_ddp", "torchrun_ddp", "apex_ddp")
 TARGET = 99.0  # test accuracy, percent
 CL = " +channels_last"  # the row label of a run with --channels-last
+ENV = "+env"  # ... and of a run with the --with-env variables
 
 
 def command(script, world_size, args):
@@ -40,28 +43,30 @@ def command(script, world_size, args):
                 f"--nproc-per-node={world_size}"]
     if script == "torchrun_ddp":
         return [*torchrun, "torchrun_ddp.py", "--amp", args.amp]
-    # apex_ddp.py picks precision by --opt-level: O0 is fp32; O1 is fp16 on GPUs, bf16 on CPU
-    native_o1 = "fp16" if torch.cuda.is_available() else "bf16"
+    # apex_ddp.py picks precision by --opt-level: O0 is fp32; natively O1 is fp16 on GPUs, bf16
+    # on a CPU with bf16 instructions and fp32 on other CPUs
+    native_o1 = ("fp16" if torch.cuda.is_available() else
+                 "bf16" if common.fast_bf16_cpu() else "none")
     if args.amp not in ("none", native_o1):
         return None
     return [*torchrun, "apex_ddp.py", "--opt-level", "O0" if args.amp == "none" else "O1"]
 
 
-def run_once(cmd, threads, args, seed):
+def run_once(cmd, threads, args, seed, batch, rule, env):
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         data = ["--dummy"] if args.dummy else ["--data-dir", args.data_dir]
         full = [*cmd, *data, "--seed", str(seed), "--epochs", str(args.epochs),
-                "--batch-size", str(args.batch_size), "--log-interval", str(10 ** 9),
+                "--batch-size", str(batch), "--lr-scaling", rule, "--log-interval", str(10 ** 9),
                 "--metrics", str(metrics)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))  # the same for every launcher
+        env = dict(os.environ, **env, OMP_NUM_THREADS=str(threads))  # the same for every launcher
         start = time.perf_counter()
         p = subprocess.run(full, cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=args.timeout)
         wall = time.perf_counter() - start
         if p.returncode != 0:
             tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-8:])
-            sys.exit(f"error: {' '.join(full)} exited with {p.returncode}:\n{tail}")
+            raise common.Fatal(f"{' '.join(full)} exited with {p.returncode}:\n{tail}")
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     elapsed, to_target = 0.0, None
     for r in rows:
@@ -69,6 +74,7 @@ def run_once(cmd, threads, args, seed):
         if to_target is None and r["test_acc"] >= TARGET:
             to_target = elapsed
     return {"to_target": to_target, "acc": rows[-1]["test_acc"], "wall": wall,
+            "accs": [r["test_acc"] for r in rows],
             "epoch_s": statistics.mean(r["epoch_seconds"] for r in rows),
             "samples_s": statistics.mean(r["samples_per_s"] for r in rows),
             "data_wait": statistics.mean(r["data_wait"] for r in rows)}
@@ -84,75 +90,117 @@ def spread(values, fmt="{:.1f}"):
 
 
 def machine():
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    """The CPU with the features that decide which precision pays (see common.fast_bf16_cpu)."""
+    caps = common.cpu_features()
+    cpu = caps.get("cpu_name") or platform.processor() or platform.machine()
+    names = {"x86_64": (("AVX-512", "avx512_f"), ("AVX512_BF16", "avx512_bf16"), ("AMX", "amx_bf16")),
+             "arm64": (("BF16", "bf16"), ("SVE", "sve"))}.get(caps.get("architecture"), ())
+    features = ", ".join(f"{name} {'yes' if caps.get(key) else 'no'}" for name, key in names)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}, {len(os.sched_getaffinity(0))} cores, {gpu}; torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    return (f"{cpu} ({features or 'features unknown'}), {common.cpu_count()} cores, {gpu}; "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = common.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=os.environ.get("MNIST_DIR", "./data"),
                    help="MNIST root (default: $MNIST_DIR or ./data)")
     p.add_argument("--dummy", action="store_true", help="synthetic data (speed only)")
     p.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=list(SCRIPTS))
-    p.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--world-sizes", nargs="+", type=common.positive_int, default=[1, 2])
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none")
     p.add_argument("--channels-last", choices=["off", "on", "both"], default="off",
                    help="run with --channels-last: off, on, or both side by side (default: off)")
-    p.add_argument("--reps", type=int, default=5, help="repetitions, seeds 0..reps-1 (default: 5)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=256, help="global batch (default: 256)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per run (default: 900)")
-    p.add_argument("--png", metavar="PATH", help="also save a chart (needs matplotlib)")
+    p.add_argument("--batch-size", nargs="+", type=common.positive_int, default=[256],
+                   help="global batch; several values run side by side (default: 256)")
+    p.add_argument("--lr-scaling", nargs="+", choices=list(common.LR_RULES), default=["sqrt"],
+                   help="LR rule(s) to compare (default: sqrt); with several batch sizes or "
+                   "rules the report adds test accuracy after every epoch")
+    p.add_argument("--with-env", metavar="'NAME=VALUE ...'", help="also run every configuration "
+                   "with these environment variables set, side by side (rows marked +env)")
+    p.add_argument("--reps", type=common.positive_int, default=5, help="repetitions, seeds "
+                   "0..reps-1 (default: 5)")
+    p.add_argument("--epochs", type=common.positive_int, default=1)
+    p.add_argument("--timeout", type=common.positive_float, default=900, help="seconds per run "
+                   "(default: 900)")
+    p.add_argument("--png", metavar="PATH", help="also save a chart of the epoch times (needs "
+                   "matplotlib)")
     args = p.parse_args()
     if args.png:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            sys.exit("error: --png needs matplotlib: pip install matplotlib")
+            raise common.Fatal("--png needs matplotlib: pip install matplotlib") from None
 
-    variants = {"off": [""], "on": [CL], "both": ["", CL]}[args.channels_last]
-    configs = [(s + v, n, command(s, n, args) + ["--channels-last"] * bool(v))
-               for v in variants for s in args.scripts for n in args.world_sizes
-               if command(s, n, args) is not None]
+    try:
+        extra_env = dict(item.split("=", 1) for item in (args.with_env or "").split())
+    except ValueError:
+        raise common.Fatal(f"--with-env {args.with_env!r}: expected NAME=VALUE pairs") from None
+
+    # A configuration: (script, variant, processes). Variants differ in one setting each.
+    layouts = {"off": [False], "on": [True], "both": [False, True]}[args.channels_last]
+    several = len(args.batch_size) > 1 or len(args.lr_scaling) > 1
+    variants = {}  # label -> (channels_last, batch, rule, environment)
+    for env in [{}, extra_env] if extra_env else [{}]:
+        for cl in layouts:
+            for batch in args.batch_size:
+                for rule in args.lr_scaling:
+                    label = " ".join(filter(None, [f"batch {batch} {rule}" if several else "",
+                                                   CL.strip() if cl else "", ENV if env else ""]))
+                    variants[label] = (cl, batch, rule, env)
+    configs = [(s, v, n) for v in variants for s in args.scripts for n in args.world_sizes
+               if command(s, n, args) is not None and variants[v][1] % n == 0]
     if not configs:
-        sys.exit("error: no script runs at these world sizes with this --amp")
-    results = {(s, n): [] for s, n, _ in configs}
+        raise common.Fatal("no script runs at these world sizes with this --amp")
+    results = {c: [] for c in configs}
 
     def threads(n):  # each process's share of the cores
-        return max(1, len(os.sched_getaffinity(0)) // n)
+        return max(1, common.cpu_count() // n)
     for rep in range(args.reps):
-        for s, n, cmd in configs:
-            print(f"rep {rep + 1}/{args.reps}: {s} x{n}", file=sys.stderr, flush=True)
-            results[(s, n)].append(run_once(cmd, threads(n), args, seed=rep))
+        for s, v, n in configs:
+            cl, batch, rule, env = variants[v]
+            print(f"rep {rep + 1}/{args.reps}: {s} {v} x{n}", file=sys.stderr, flush=True)
+            cmd = command(s, n, args) + ["--channels-last"] * cl
+            results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, batch, rule, env))
 
+    def name(s, v):
+        return f"{s} {v}".strip()
     print(f"\nMachine: {machine()}")
     print(f"Work: {'synthetic data' if args.dummy else 'MNIST'}, {args.epochs} epoch(s), global "
-          f"batch {args.batch_size}, --amp {args.amp}, --channels-last {args.channels_last}, "
-          f"{args.reps} seed(s) per row; median "
-          f"(min-max)\n")
+          f"batch {' '.join(map(str, args.batch_size))}, --lr-scaling "
+          f"{' '.join(args.lr_scaling)}, --amp {args.amp}, --channels-last {args.channels_last}, "
+          f"{args.reps} seed(s) per row; median (min-max)"
+          + (f"; {ENV}: {args.with_env}" if extra_env else "") + "\n")
     print(f"| script | processes x threads | s to {TARGET:g}% | test acc. mean (worst) | "
           "epoch s | samples/s | data wait | DDP efficiency | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for (s, n), rs in results.items():
-        ones = results.get((s, 1))
+    for (s, v, n), rs in results.items():
+        ones = results.get((s, v, 1))
         eff = "-"
-        if not s.startswith("dp_baseline") and n > 1 and ones:  # throughput at N / throughput at 1
+        if s != "dp_baseline" and n > 1 and ones:  # throughput at N / throughput at 1
             eff = f"{statistics.median(r['samples_s'] for r in rs) / statistics.median(r['samples_s'] for r in ones):.2f}"
         reached = sum(r["to_target"] is not None for r in rs)
         accs = [r["acc"] for r in rs]
-        print(f"| {s} | {n} x {threads(n)} | {spread([r['to_target'] for r in rs])}"
+        print(f"| {name(s, v)} | {n} x {threads(n)} | {spread([r['to_target'] for r in rs])}"
               f"{'' if reached == len(rs) else f' ({reached}/{len(rs)} reached)'} | "
               f"{statistics.mean(accs):.2f} ({min(accs):.2f}) | {spread([r['epoch_s'] for r in rs])} | "
               f"{spread([r['samples_s'] for r in rs], '{:.0f}')} | "
               f"{spread([100 * r['data_wait'] for r in rs], '{:.1f}')}% | {eff} | "
               f"{spread([r['wall'] for r in rs])} |")
+
+    if several:  # how each batch size and LR rule learns, epoch by epoch
+        print(f"\nTest accuracy after each epoch, mean (worst) over the seeds:\n")
+        print("| script | processes | global batch | LR rule | peak LR | "
+              + " | ".join(f"epoch {e + 1}" for e in range(args.epochs)) + " | epoch s |")
+        print("|---|---|---|---|---|" + "---|" * args.epochs + "---|")
+        for (s, v, n), rs in results.items():
+            _, batch, rule, _ = variants[v]
+            lr = common.build_parser("").get_default("lr")  # the scripts' --lr
+            peak = common.peak_lr(argparse.Namespace(lr=lr, batch_size=batch, lr_scaling=rule))
+            cells = [f"{statistics.mean(a):.2f} ({min(a):.2f})"
+                     for a in zip(*(r["accs"] for r in rs))]
+            print(f"| {name(s, v)} | {n} | {batch} | {rule} | {peak:.4g} | {' | '.join(cells)} | "
+                  f"{spread([r['epoch_s'] for r in rs])} |")
 
     def ratio(a, b):  # median epoch time of a / of b, when both ran
         if a in results and b in results:
@@ -162,40 +210,59 @@ def main():
         return None
     lines = []
     for v in variants:
-        for s in ("spawn_ddp" + v, "torchrun_ddp" + v):
-            r = ratio((s, 2), (s, 1))
+        for s in ("spawn_ddp", "torchrun_ddp"):
+            r = ratio((s, v, 2), (s, v, 1))
             if r:
-                lines.append(f"- {s}: epoch time at 2 processes / at 1 process (same global "
-                             f"batch): {r}")
-            r = ratio((s, 1), ("dp_baseline" + v, 1))
+                lines.append(f"- {name(s, v)}: epoch time at 2 processes / at 1 process (same "
+                             f"global batch): {r}")
+            r = ratio((s, v, 1), ("dp_baseline", v, 1))
             if r and not torch.cuda.is_available():  # on CPU dp_baseline is the bare loop
-                lines.append(f"- {s} at world size 1 / the same loop without DDP (dp_baseline "
-                             f"on CPU): {r}")
-    for s, n in results:
-        if s.endswith(CL):
-            r = ratio((s, n), (s[:-len(CL)], n))
-            if r:
-                lines.append(f"- {s[:-len(CL)]} x{n}: epoch time with --channels-last / "
-                             f"without: {r}")
+                lines.append(f"- {name(s, v)} at world size 1 / the same loop without DDP "
+                             f"(dp_baseline on CPU): {r}")
+    for s, v, n in results:
+        for suffix, what in ((CL.strip(), "--channels-last"), (ENV, ENV)):
+            if v.endswith(suffix):
+                plain = v[:-len(suffix)].strip()
+                r = ratio((s, v, n), (s, plain, n))
+                if r:
+                    lines.append(f"- {name(s, plain)} x{n}: epoch time with {what} / without: {r}")
     if lines:
         print("\nRatios of median epoch times, from this run:\n" + "\n".join(lines))
     if args.png:
-        save_chart(results, args.png)
+        save_chart(results, args.png, f"{machine()}\n--amp {args.amp}, {args.reps} seed(s)")
 
 
-def save_chart(results, path):
+def save_chart(results, path, title):
+    """Median epoch seconds: one group of bars per script and process count, one colour per
+    variant (channels_last, batch size, LR rule), the min-max range as a line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels = [f"{s}\nx{n}" for s, n in results]
-    medians = [statistics.median(r["epoch_s"] for r in rs) for rs in results.values()]
-    fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 1, 3.5))
-    ax.bar(labels, medians)
+    groups = list(dict.fromkeys((s, n) for s, _, n in results))
+    variants = list(dict.fromkeys(v for _, v, _ in results))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(1.3 * len(groups) + 2, 3.8))
+    for i, v in enumerate(variants):
+        xs, meds, lo, hi = [], [], [], []
+        for g, (s, n) in enumerate(groups):
+            rs = results.get((s, v, n))
+            if rs:
+                times = [r["epoch_s"] for r in rs]
+                xs.append(g + (i - (len(variants) - 1) / 2) * width)
+                meds.append(statistics.median(times))
+                lo.append(meds[-1] - min(times))
+                hi.append(max(times) - meds[-1])
+        ax.bar(xs, meds, width, yerr=[lo, hi], capsize=2, label=v or "default")
+    ax.set_xticks(range(len(groups)), [f"{s}\nx{n}" for s, n in groups], fontsize=8)
     ax.set_ylabel("epoch seconds (median)")
+    ax.set_title(title, fontsize=8)
+    if len(variants) > 1:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"\nchart: {path}")
 
 
 if __name__ == "__main__":
-    main()
+    with common.clean_exit():
+        main()

@@ -18,7 +18,7 @@ import common
 
 
 def main():
-    parser = common.build_parser(__doc__)
+    parser = common.build_parser(__doc__, processes=False)  # no --timeout, --save-on-each-node
     g = parser.add_argument_group("launch (DataParallel)")
     g.add_argument("--gpus", help="comma-separated GPU ids, the first gathers (default: all)")
     args = parser.parse_args()
@@ -34,6 +34,7 @@ def main():
         raise common.Fatal("--sync-bn needs the DDP scripts (spawn_ddp.py); DataParallel has no "
                            "process group")
     common.check_args(args, world_size=1, cuda=bool(gpus))
+    common.check_outputs(args)  # before any work that could be lost
     common.prepare_data(args)
     train(gpus, args)
 
@@ -49,6 +50,7 @@ def train(gpus, args):
         device = torch.device("cpu")
         report.log(f"no GPU: one process, {torch.get_num_threads()} thread(s) "
                    "(DataParallel passes every call through to the model)")
+    report.log(common.describe_lr(args))
 
     # Data: the whole global batch is loaded by this one process. A DistributedSampler over a
     # single replica is a seeded shuffle: it gives the same order as the DDP scripts.
@@ -79,6 +81,7 @@ def train(gpus, args):
     # Replicated on every step, in this process; the gradients end up on the first GPU.
     # torch.autocast's state reaches DataParallel's worker threads (torch >= 1.10).
     model = nn.DataParallel(model, device_ids=gpus or None)
+    stop = common.StopSignal()  # a scheduler's SIGTERM: stop at the next step, with a snapshot
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch
@@ -88,6 +91,12 @@ def train(gpus, args):
         # Resuming mid-epoch: set_epoch gives the same order as before, so skip what was done.
         skip = start_step if epoch == start_epoch else 0
         for step, (x, y) in enumerate(itertools.islice(loader, skip, None), skip + 1):
+            if stop():  # SIGTERM: stop before this step, after a snapshot
+                if args.checkpoint:
+                    state = common.checkpoint_state(model.module, optimizer, scheduler, scaler,
+                                                    epoch, step - 1, args)
+                    common.save_checkpoint(state, args.checkpoint)
+                raise common.Preempted(args, epoch, step - 1, say=True)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
@@ -122,6 +131,7 @@ def train(gpus, args):
             break
 
     report.close()
+    stop.close()
 
 
 if __name__ == "__main__":

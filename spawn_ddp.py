@@ -5,6 +5,7 @@ Two machines:  python spawn_ddp.py --nnodes 2 --node-rank 0 --master-addr HOST0 
                python spawn_ddp.py --nnodes 2 --node-rank 1 --master-addr HOST0 --master-port 29500
 """
 import itertools
+import signal
 from datetime import timedelta
 
 import torch
@@ -21,13 +22,15 @@ import common
 def main():
     parser = common.build_parser(__doc__)
     g = parser.add_argument_group("launch (spawn)")
-    g.add_argument("--nproc-per-node", type=int, help="processes on this machine "
-                   "(default: one per GPU, or 2 without a GPU)")
-    g.add_argument("--nnodes", type=int, default=1, help="machines in the job (default: 1)")
-    g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    g.add_argument("--nproc-per-node", type=common.positive_int, help="processes on this "
+                   "machine (default: one per GPU, or 2 without a GPU)")
+    g.add_argument("--nnodes", type=common.positive_int, default=1, help="machines in the job "
+                   "(default: 1)")
+    g.add_argument("--node-rank", type=common.natural_int, default=0, help="this machine's "
+                   "index, 0..nnodes-1")
     g.add_argument("--master-addr", help="address of node 0, reachable from every node "
                    "(default on one machine: 127.0.0.1)")
-    g.add_argument("--master-port", type=int, help="free port on node 0 "
+    g.add_argument("--master-port", type=common.port_number, help="free port on node 0 "
                    "(default on one machine: any free port)")
     args = parser.parse_args()
 
@@ -40,20 +43,27 @@ def main():
     if not 0 <= args.node_rank < args.nnodes:
         raise common.Fatal(f"--node-rank must be in 0..{args.nnodes - 1}")
     common.check_args(args, world_size=args.nnodes * nproc, cuda=gpus > 0)
+    common.check_outputs(args, node_rank=args.node_rank)  # before any work that could be lost
     args.master_addr = args.master_addr or "127.0.0.1"
     if args.master_port is None:
         args.master_port = common.free_port()
     elif args.node_rank == 0:  # node 0 hosts the rendezvous store on this port
         common.check_port_free(args.master_port)
     common.prepare_data(args)  # download once, here, before any worker exists
+    if args.nnodes == 1:
+        common.gloo_on_loopback()  # every process is on this machine
 
     # Start nproc copies of worker(local_rank, ...). spawn (not fork) gives each a fresh
     # interpreter, which CUDA requires. join=False so that Ctrl-C can stop them all.
     workers = mp.spawn(worker, args=(nproc, args), nprocs=nproc, join=False)
+    # A SIGTERM to this launcher alone (`kill PID`) goes on to the workers: they save and stop.
+    signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in workers.processes])
     try:
         while not workers.join():
             pass
     except mp.ProcessExitedException as e:  # the worker has already printed its reason
+        if e.exit_code == common.PREEMPTED:
+            raise common.Preempted() from None
         raise common.Fatal(f"worker {e.error_index} exited with code {e.exit_code}") from None
     finally:
         for p in workers.processes:
@@ -84,10 +94,12 @@ def train(local_rank, nproc, args):
     # within about a minute instead of a hang for the 30-minute default.
     dist.init_process_group(backend, init_method=f"tcp://{args.master_addr}:{args.master_port}",
                             rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=args.timeout))
+                            timeout=timedelta(seconds=args.timeout),
+                            device_id=device if device.type == "cuda" else None)  # NCCL: this GPU
     report = common.Reporter(args, rank, world_size)
     report.log(f"{world_size} processes ({args.nnodes} node(s) x {nproc}), backend {backend}, "
                f"device {device.type}, {torch.get_num_threads()} thread(s) each")
+    report.log(common.describe_lr(args))
 
     # Data: every process holds all of MNIST in memory; the sampler gives each a disjoint
     # shard, and each process takes its part of the global batch.
@@ -130,6 +142,9 @@ def train(local_rank, nproc, args):
     # One checkpoint writer in all (concurrent writes to a shared disk corrupt the file), or
     # one per node when nodes have no shared filesystem.
     writer = (local_rank if args.save_on_each_node else rank) == 0
+    # A scheduler's SIGTERM (the notice before it kills the job) may reach any process at any
+    # step: all of them agree on one step to stop at, so the snapshot is the same model.
+    stop = common.StopSignal()
 
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch is the same
@@ -139,6 +154,13 @@ def train(local_rank, nproc, args):
         # Resuming mid-epoch: set_epoch gives the same order as before, so skip what was done.
         skip = start_step if epoch == start_epoch else 0
         for step, (x, y) in enumerate(itertools.islice(loader, skip, None), skip + 1):
+            if stop():  # SIGTERM: every process stops before this step, after a snapshot
+                if writer and args.checkpoint:
+                    state = common.checkpoint_state(model.module, optimizer, scheduler, scaler,
+                                                    epoch, step - 1, args)
+                    common.save_checkpoint(state, args.checkpoint)
+                dist.barrier()  # nobody exits before the snapshot is complete
+                raise common.Preempted(args, epoch, step - 1, say=rank == 0)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
@@ -174,6 +196,7 @@ def train(local_rank, nproc, args):
             break
 
     report.close()
+    stop.close()
     dist.destroy_process_group()
 
 

@@ -45,14 +45,17 @@ def tiny_mnist(tmp_path_factory):
     return make_tiny_mnist(tmp_path_factory.mktemp("mnist"))
 
 
-def script_env(record=None, block=None, pythonpath=(), **extra):
-    env = dict(os.environ)
+def script_env(record=None, block=None, pythonpath=(), gpus=False, **extra):
+    """The environment of a script under test: tests/instrument on the path, no instrumentation
+    unless asked for, every warning shown. The GPUs are hidden unless `gpus`: the CPU tests
+    run on gloo whatever the machine has (tests marked `cuda` ask for them)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_TEST_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, pythonpath), str(INSTRUMENT),
                                                       env.get("PYTHONPATH")]))
     env["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"  # show all
     env.pop("OMP_NUM_THREADS", None)
-    for name in ("DDP_TEST_RECORD", "DDP_TEST_BLOCK", "DDP_TEST_STEP_DELAY", "DDP_TEST_SLOW_SAVE"):
-        env.pop(name, None)
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.update({k: str(v) for k, v in extra.items()})
     if record:
         env["DDP_TEST_RECORD"] = str(record)
@@ -62,11 +65,12 @@ def script_env(record=None, block=None, pythonpath=(), **extra):
 
 
 def run_script(script, *args, timeout=120, record=None, block=None, check=True, launcher=(),
-               cwd=ROOT, allow=None, pythonpath=(), **extra_env):
+               cwd=ROOT, allow=None, pythonpath=(), gpus=False, **extra_env):
     """Run a script of the repo (under `launcher`, e.g. torchrun's module) as its own process
     group; kill the group on timeout."""
     cmd = [sys.executable, *map(str, launcher), str(ROOT / script), *map(str, args)]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=script_env(record, block, pythonpath, **extra_env),
+    proc = subprocess.Popen(cmd, cwd=cwd, env=script_env(record, block, pythonpath, gpus,
+                                                         **extra_env),
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     try:
@@ -138,3 +142,16 @@ def wait_for(condition, timeout, what):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def run_mains(script, cases, timeout=240, **extra_env):
+    """Each case ({"argv": [...], "env": {...}}) through `script`'s real main() in one process
+    (tests/run_mains.py): a list of results with "code", "stdout", "stderr", "started"."""
+    lines = "".join(json.dumps(case) + "\n" for case in cases)
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "run_mains.py"), str(ROOT / script)],
+                       input=lines, capture_output=True, text=True, cwd=ROOT,
+                       env=script_env(**extra_env), timeout=timeout)
+    assert p.returncode == 0, p.stderr
+    results = [json.loads(line) for line in p.stdout.splitlines()]
+    assert len(results) == len(cases), p.stdout
+    return results

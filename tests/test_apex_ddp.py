@@ -10,6 +10,7 @@ SCRIPT = "apex_ddp.py"
 STANDIN = ROOT / "tests" / "standin"
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 LEGACY = ("-m", "torch.distributed.launch", "--nproc-per-node=2")
+BF16 = "avx512_bf16=1"  # a CPU with bfloat16 instructions (tests/instrument fakes it)
 
 
 def tiny(data, *extra):
@@ -41,21 +42,23 @@ def test_native_path_says_why_and_matches_torchrun_ddp(tiny_mnist, tmp_path, nat
 
 
 def test_native_path_checkpoints_and_resumes(tiny_mnist, tmp_path):
-    """Default O1 natively on a CPU = autocast(bfloat16), no GradScaler. The first run finds an
-    unrelated package named `apex` (what `pip install apex` gives you) and must say so and
-    carry on; the second resumes from the checkpoint by itself."""
+    """Default O1 natively on a CPU with bf16 instructions = autocast(bfloat16), no GradScaler
+    (the CPU's features are faked: see test_precision.py for a CPU without them). The first
+    run finds an unrelated package named `apex` (what `pip install apex` gives you) and must
+    say so and carry on; the second resumes from the checkpoint by itself."""
     fake = tmp_path / "unrelated" / "apex"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('"""Not NVIDIA apex: a package that shares the name."""\n')
     ckpt, metrics = tmp_path / "c.pt", tmp_path / "m.jsonl"
     args = tiny(tiny_mnist, "--epochs", 2, "--checkpoint", ckpt, "--metrics", metrics)
     r1 = run_script(SCRIPT, *args, "--stop-after", 1, launcher=TORCHRUN,
-                    pythonpath=[fake.parent])
+                    pythonpath=[fake.parent], DDP_TEST_CPU_FEATURES=BF16)
     [line] = path_lines(r1)
     assert "apex does not import (ImportError: cannot import name 'amp'" in line
     first = load(ckpt)
     assert first["args"]["amp"] == "bf16" and not first["scaler"] and "amp" not in first
-    r2 = run_script(SCRIPT, *args, launcher=TORCHRUN, block="apex")  # resumes by itself
+    r2 = run_script(SCRIPT, *args, launcher=TORCHRUN, block="apex",  # resumes by itself
+                    DDP_TEST_CPU_FEATURES=BF16)
     assert "loaded" in r2.stdout and "1 epoch(s) + 0 step(s)" in r2.stdout
     rows = read_metrics(metrics)
     assert [row["epoch"] for row in rows] == [1, 2]

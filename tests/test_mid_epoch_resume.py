@@ -11,11 +11,11 @@ import pytest
 
 from conftest import ROOT, assert_same_training_state, load, run_script, script_env, wait_for
 
-ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 100,
-        "--timeout", 30)  # 19 steps per epoch; snapshots at steps 6, 12, 18
+ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 100)
+# 19 steps per epoch; snapshots at steps 6, 12, 18
 
 
-@pytest.mark.parametrize("script,procs", [("spawn_ddp.py", ["--nproc-per-node", 2]),
+@pytest.mark.parametrize("script,procs", [("spawn_ddp.py", ["--nproc-per-node", 2, "--timeout", 30]),
                                           ("dp_baseline.py", [])])
 def test_killed_job_resumes_mid_epoch_bit_identical(tiny_mnist, tmp_path, script, procs):
     args = ["--data-dir", tiny_mnist, *ARGS, *procs]

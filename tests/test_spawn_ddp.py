@@ -246,11 +246,12 @@ def test_error_sync_bn_on_cpu(tiny_mnist):
     assert_one_line_error(bad("--data-dir", tiny_mnist, "--sync-bn"), "--sync-bn", "CUDA")
 
 
+@pytest.mark.cuda
 def test_error_more_processes_than_gpus(tiny_mnist):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU machine")
     n = torch.cuda.device_count() + 1
-    assert_one_line_error(bad("--data-dir", tiny_mnist, "--nproc-per-node", n), "GPU")
+    assert_one_line_error(bad("--data-dir", tiny_mnist, "--nproc-per-node", n, gpus=True), "GPU")
 
 
 def test_error_port_in_use(tiny_mnist):

@@ -8,8 +8,15 @@ changes none of their results:
   DDP_TEST_BLOCK=NAME   make `import NAME` fail, to test the message for a missing package
   DDP_TEST_STEP_DELAY=S sleep S seconds before every optimizer step (slower, same results), so
                         that a test can kill a worker in the middle of an epoch
-  DDP_TEST_SLOW_SAVE=S  torch.save to a path writes half the bytes, sleeps S seconds, then
-                        writes the rest (a slow disk), so that a kill can land mid-write
+  DDP_TEST_SLOW_SAVE=S  torch.save (to a path or a file) writes half the bytes, sleeps S
+                        seconds, then writes the rest (a slow disk), so that a kill can land
+                        mid-write
+  DDP_TEST_CPU_FEATURES=avx512_bf16=0,amx_bf16=1,...
+                        torch.cpu.get_capabilities() reports these features as given (read at
+                        each call), so a test decides what CPU the scripts believe they run on
+  DDP_TEST_NOT_LINUX=1  a stand-in for macOS and Windows: os.sched_getaffinity and
+                        os.sched_setaffinity are gone and /proc cannot be read
+With DDP_TEST_RECORD, every optimizer step also records the learning rate it used.
 """
 import atexit
 import io
@@ -31,17 +38,42 @@ if os.environ.get("DDP_TEST_SLOW_SAVE"):
     _slow, _fast_save = float(os.environ["DDP_TEST_SLOW_SAVE"]), torch.save
 
     def _slow_save(obj, f, *args, **kwargs):
-        if not isinstance(f, (str, os.PathLike)):
-            return _fast_save(obj, f, *args, **kwargs)
         buf = io.BytesIO()
         _fast_save(obj, buf, *args, **kwargs)
         data = buf.getvalue()
-        with open(f, "wb") as out:
-            out.write(data[:len(data) // 2])
-            out.flush()
-            time.sleep(_slow)
-            out.write(data[len(data) // 2:])
+        out = open(f, "wb") if isinstance(f, (str, os.PathLike)) else f  # a path or a file
+        out.write(data[:len(data) // 2])
+        out.flush()
+        time.sleep(_slow)
+        out.write(data[len(data) // 2:])
+        if out is not f:
+            out.close()
     torch.save = _slow_save
+
+if "DDP_TEST_CPU_FEATURES" in os.environ:
+    import torch
+    _real_capabilities = torch.cpu.get_capabilities
+
+    def _capabilities():
+        caps = dict(_real_capabilities())
+        for item in filter(None, os.environ.get("DDP_TEST_CPU_FEATURES", "").split(",")):
+            name, value = item.split("=")
+            caps[name.strip()] = bool(int(value))
+        return caps
+    torch.cpu.get_capabilities = _capabilities
+
+if os.environ.get("DDP_TEST_NOT_LINUX"):
+    import builtins
+    for _name in ("sched_getaffinity", "sched_setaffinity"):  # Linux only (Python docs)
+        if hasattr(os, _name):
+            delattr(os, _name)
+    _open = builtins.open
+
+    def _open_without_proc(file, *args, **kwargs):
+        if isinstance(file, (str, bytes, os.PathLike)) and os.fsdecode(file).startswith("/proc/"):
+            raise FileNotFoundError(2, "No such file or directory (no /proc here)", file)
+        return _open(file, *args, **kwargs)
+    builtins.open = _open_without_proc
 
 RECORD = os.environ.get("DDP_TEST_RECORD")
 if RECORD:
@@ -63,10 +95,17 @@ if RECORD:
         return iter(indices)
     DistributedSampler.__iter__ = _recording_iter
 
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def _record_lr(optimizer, args, kwargs):
+        _append("lr", {"rank": dist.get_rank() if dist.is_initialized() else 0,
+                       "lr": optimizer.param_groups[0]["lr"]})
+    register_optimizer_step_pre_hook(_record_lr)
+
     _save = torch.save
 
     def _recording_save(obj, f, *args, **kwargs):
-        _append("save", {"pid": os.getpid(), "path": str(f)})
+        _append("save", {"pid": os.getpid(), "path": str(getattr(f, "name", f))})
         return _save(obj, f, *args, **kwargs)
     torch.save = _recording_save
 

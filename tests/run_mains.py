@@ -1,0 +1,65 @@
+"""Runs one script's real main() once per command line, all in this one process, and reports how
+each ended. tests/test_bad_input.py feeds it a table of cases: one start-up of torch for the
+whole table instead of one per case (each start-up takes 5-15 s on a 2-core machine).
+
+    python tests/run_mains.py SCRIPT < cases.jsonl > results.jsonl
+
+A case is {"argv": [...], "env": {...}}. A result adds "code" (the exit code; 0 when main
+returned), "stdout", "stderr", and "started": True when the run got as far as starting work,
+i.e. reading the training data, spawning workers or starting a subprocess. That point is
+where the hooks below stop it: the checks under test all come before it.
+"""
+import contextlib
+import io
+import json
+import os
+import runpy
+import subprocess
+import sys
+import traceback
+
+script = os.path.abspath(sys.argv[1])
+sys.path.insert(0, os.path.dirname(script))
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import common  # noqa: E402
+
+
+class Started(BaseException):
+    """Not an Exception: the scripts' clean_exit must not turn it into an error line."""
+
+
+def started(*args, **kwargs):
+    raise Started
+
+
+common.load_mnist = started       # every training script reads its data before the first step
+mp.spawn = started                # spawn_ddp.py starts its workers
+subprocess.run = started          # bench.py runs the scripts
+subprocess.Popen = started
+
+for line in sys.stdin:
+    case = json.loads(line)
+    env = dict(os.environ)
+    os.environ.update(case.get("env", {}))
+    sys.argv = [script, *case["argv"]]
+    out, err = io.StringIO(), io.StringIO()
+    result = {"argv": case["argv"], "code": 0, "started": False}
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except Started:
+            result["started"] = True
+        except SystemExit as e:
+            result["code"] = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # a traceback is what the table exists to catch
+            traceback.print_exc()
+            result["code"] = "traceback"
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+    result.update(stdout=out.getvalue(), stderr=err.getvalue())
+    print(json.dumps(result), flush=True)

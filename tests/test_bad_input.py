@@ -1,0 +1,291 @@
+"""Bad input, refused before anything starts: every flag of every script, as one table.
+
+Each row is a command line with one bad value (or a combination that cannot work). The
+expectation is the same for all of them: exit code 2, exactly one line on stderr that starts with
+`error:` and names the flag or file, no traceback, and no training started. To keep a table of
+~200 rows in seconds, tests/run_mains.py runs each script's real main() for all of its rows in
+one process and stops a run at the point where work would begin (reading the training data,
+spawning workers, starting a subprocess). Real launches of the same checks, one per failure
+class, follow the table."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import N_TEST, N_TRAIN, ROOT, make_tiny_mnist, run_mains, run_script, \
+    script_env, wait_for, write_idx
+
+SCRIPTS = ("dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py")
+DDP = SCRIPTS[1:]
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
+
+
+def rows(tmp, data):
+    """(scripts, argv, env, text the error line must contain). argv is appended to --dummy
+    unless it names its own --data-dir."""
+    folder = str(tmp / "a-folder")
+    os.makedirs(folder, exist_ok=True)
+    table = [
+        (SCRIPTS, ["--epochs", "0"], {}, "--epochs"),
+        (SCRIPTS, ["--epochs", "-1"], {}, "--epochs"),
+        (SCRIPTS, ["--epochs", "two"], {}, "--epochs"),
+        (SCRIPTS, ["--stop-after", "0"], {}, "--stop-after"),
+        (SCRIPTS, ["--epochs", "2", "--stop-after", "3"], {}, "--stop-after"),
+        (SCRIPTS, ["--batch-size", "0"], {}, "--batch-size"),
+        (SCRIPTS, ["--batch-size", "-4"], {}, "--batch-size"),
+        (SCRIPTS, ["--batch-size", "2.5"], {}, "--batch-size"),
+        (SCRIPTS, ["--lr", "-1"], {}, "--lr"),
+        (SCRIPTS, ["--lr", "0"], {}, "--lr"),
+        (SCRIPTS, ["--lr", "nan"], {}, "--lr"),
+        (SCRIPTS, ["--lr", "inf"], {}, "--lr"),
+        (SCRIPTS, ["--lr-scaling", "cubic"], {}, "--lr-scaling"),
+        (SCRIPTS, ["--warmup-epochs", "-1"], {}, "--warmup-epochs"),
+        (SCRIPTS, ["--warmup-epochs", "1"], {}, "--warmup-epochs"),  # as long as --epochs 1
+        (SCRIPTS, ["--seed", "-1"], {}, "--seed"),
+        (SCRIPTS, ["--seed", "1.5"], {}, "--seed"),
+        (SCRIPTS, ["--amp", "fp8"], {}, "--amp"),
+        (SCRIPTS, ["--save-every", "-1"], {}, "--save-every"),
+        (SCRIPTS, ["--save-every", "5"], {}, "--save-every"),  # no --checkpoint to save to
+        (SCRIPTS, ["--resume"], {}, "--resume"),
+        (SCRIPTS, ["--evaluate"], {}, "--evaluate"),
+        (SCRIPTS, ["--checkpoint", str(tmp / "none.pt"), "--resume"], {}, "no checkpoint"),
+        (SCRIPTS, ["--checkpoint", "/proc/x/c.pt"], {}, "--checkpoint"),  # cannot create
+        (SCRIPTS, ["--checkpoint", "/proc/c.pt"], {}, "--checkpoint"),    # cannot write there
+        (SCRIPTS, ["--checkpoint", folder], {}, "--checkpoint"),          # a folder
+        (SCRIPTS, ["--metrics", "/proc/x/m.jsonl"], {}, "--metrics"),
+        (SCRIPTS, ["--metrics", folder], {}, "--metrics"),
+        (SCRIPTS, ["--tensorboard", "/proc/x/tb"], {}, "--tensorboard"),
+        (SCRIPTS, ["--log-interval", "0"], {}, "--log-interval"),
+        (SCRIPTS, ["--no-such-flag"], {}, "--no-such-flag"),
+        (SCRIPTS, ["--data-dir", "/dev/null"], {}, "/dev/null"),
+        (DDP, ["--timeout", "0"], {}, "--timeout"),
+        (DDP, ["--timeout", "-5"], {}, "--timeout"),
+        (("spawn_ddp.py",), ["--batch-size", "255"], {}, "--batch-size 255"),  # 2 processes
+        (("torchrun_ddp.py", "apex_ddp.py"), ["--batch-size", "255"], {"WORLD_SIZE": "2"},
+         "--batch-size 255"),
+        (("spawn_ddp.py",), ["--nproc-per-node", "0"], {}, "--nproc-per-node"),
+        (("spawn_ddp.py",), ["--nnodes", "0"], {}, "--nnodes"),
+        (("spawn_ddp.py",), ["--node-rank", "-1"], {}, "--node-rank"),
+        (("spawn_ddp.py",), ["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1",
+                             "--master-port", "29999"], {}, "--node-rank"),
+        (("spawn_ddp.py",), ["--nnodes", "2", "--node-rank", "1"], {}, "--master-addr"),
+        (("spawn_ddp.py",), ["--master-port", "0"], {}, "--master-port"),
+        (("spawn_ddp.py",), ["--master-port", "70000"], {}, "--master-port"),
+        (("torchrun_ddp.py", "apex_ddp.py"), ["--local-rank", "-1"], {}, "--local-rank"),
+        (("apex_ddp.py",), ["--opt-level", "O4"], {}, "--opt-level"),
+        (("apex_ddp.py",), ["--amp", "bf16"], {}, "--opt-level"),
+        (("dp_baseline.py",), ["--gpus", "x"], {}, "--gpus"),
+        (("dp_baseline.py",), ["--gpus", "7"], {}, "--gpus"),
+        (("dp_baseline.py",), ["--timeout", "5"], {}, "--timeout"),  # one process: no peers
+        (("dp_baseline.py",), ["--save-on-each-node"], {}, "--save-on-each-node"),
+        (("bench.py",), ["--reps", "0"], {}, "--reps"),
+        (("bench.py",), ["--epochs", "0"], {}, "--epochs"),
+        (("bench.py",), ["--batch-size", "0"], {}, "--batch-size"),
+        (("bench.py",), ["--world-sizes", "0"], {}, "--world-sizes"),
+        (("bench.py",), ["--timeout", "0"], {}, "--timeout"),
+        (("bench.py",), ["--amp", "fp8"], {}, "--amp"),
+        (("bench.py",), ["--scripts", "nope"], {}, "--scripts"),
+        (("bench.py",), ["--channels-last", "maybe"], {}, "--channels-last"),
+        (("bench.py",), ["--scripts", "dp_baseline", "--world-sizes", "2"], {}, "no script"),
+    ]
+    if not torch.cuda.is_available():
+        table.append((SCRIPTS, ["--sync-bn"], {}, "--sync-bn"))
+    # Malformed MNIST files: each names the file and what is wrong with it.
+    for name, (broken, fragment) in malformed(tmp, data).items():
+        table.append((SCRIPTS, ["--data-dir", str(broken)], {}, fragment))
+    return [(s, argv, env, text) for scripts, argv, env, text in table for s in scripts]
+
+
+def malformed(tmp, data):
+    """Copies of the tiny MNIST with one file broken: {case: (data dir, expected fragment)}."""
+    raw = os.path.join("MNIST", "raw")
+    labels, images = "train-labels-idx1-ubyte", "train-images-idx3-ubyte"
+    cases = {}
+
+    def copy(name):
+        d = tmp / f"data-{name}"
+        if not d.exists():
+            shutil.copytree(data, d)
+        return d, d / raw
+    d, r = copy("count")
+    write_idx(r / labels, torch.zeros(N_TRAIN - 1))
+    cases["count mismatch"] = (d, f"{N_TRAIN} images but {N_TRAIN - 1} labels")
+    d, r = copy("magic")
+    (r / images).write_bytes(b"\x00\x00\x08\x01" + (r / images).read_bytes()[4:])
+    cases["wrong magic"] = (d, f"{r / images} is not an MNIST image file")
+    d, r = copy("dims")
+    write_idx(r / images, torch.zeros(N_TRAIN, 32, 32))
+    cases["wrong dimensions"] = (d, "32x32 images")
+    d, r = copy("garbage")
+    (r / "t10k-images-idx3-ubyte").write_bytes(os.urandom(5000))
+    cases["garbage"] = (d, "t10k-images-idx3-ubyte is not an MNIST image file")
+    d, r = copy("empty")
+    (r / labels).write_bytes(b"")
+    cases["empty"] = (d, f"{r / labels} is not an MNIST label file")
+    d, r = copy("truncated")
+    (r / images).write_bytes((r / images).read_bytes()[:-100])
+    cases["truncated"] = (d, "is truncated")
+    d, r = copy("long")
+    (r / images).write_bytes((r / images).read_bytes() + b"\0" * 10)
+    cases["trailing bytes"] = (d, "is too long")
+    d, r = copy("label")
+    write_idx(r / labels, torch.full((N_TRAIN,), 12))
+    cases["label out of range"] = (d, "labels up to 12")
+    return cases
+
+
+@pytest.fixture(scope="module")
+def table(tiny_mnist, tmp_path_factory):
+    """Runs every row through tests/run_mains.py, one process per script: the results, in the
+    order of rows(), each with the text its error line must contain."""
+    tmp = tmp_path_factory.mktemp("bad")
+    cases = rows(tmp, tiny_mnist)
+    results = [None] * len(cases)
+    for script in sorted({c[0] for c in cases}):
+        mine = [i for i, c in enumerate(cases) if c[0] == script]
+        ran = run_mains(script, [{"argv": argv if "--data-dir" in argv else ["--dummy", *argv],
+                                  "env": env} for _, argv, env, _ in (cases[i] for i in mine)])
+        for i, result in zip(mine, ran, strict=True):
+            results[i] = (result, cases[i][3])
+    return results
+
+
+def pytest_generate_tests(metafunc):
+    """One test per row, named after it (the table's temporary paths shown as TMP)."""
+    if "row" in metafunc.fixturenames:
+        import tempfile
+        from pathlib import Path
+        with tempfile.TemporaryDirectory() as d:
+            data = make_tiny_mnist(Path(d) / "mnist", n_train=N_TRAIN, n_test=N_TEST)
+            ids = [f"{s} {' '.join(a)}".replace(d, "TMP") for s, a, _, _ in rows(Path(d), data)]
+        metafunc.parametrize("row", range(len(ids)), ids=ids)
+
+
+def test_bad_input_is_one_line_before_anything_starts(table, row):
+    result, text = table[row]
+    where = f"{' '.join(result['argv'])}\nstdout:\n{result['stdout']}\nstderr:\n{result['stderr']}"
+    assert not result["started"], f"work started despite the bad input: {where}"
+    assert result["code"] == 2, where
+    lines = [ln for ln in result["stderr"].splitlines() if ln.strip()]
+    assert len(lines) == 1 and re.match(r"(\[rank 0\] )?error: ", lines[0]), where
+    assert text in lines[0], where
+
+
+def test_missing_output_folders_are_created_and_said(tiny_mnist, tmp_path):
+    """The good side of the output checks: missing folders are made before training, once."""
+    new = tmp_path / "new"
+    args = ["--dummy", "--checkpoint", str(new / "ck" / "c.pt"), "--metrics",
+            str(new / "m" / "m.jsonl"), "--tensorboard", str(new / "tb")]
+    [result] = run_mains("spawn_ddp.py", [{"argv": args, "env": {}}])
+    assert result["started"] and not result["stderr"].strip()
+    for folder in ("ck", "m", "tb"):
+        assert (new / folder).is_dir()
+        assert f"created folder {new / folder}" in result["stdout"]
+
+
+# ---- the same checks through real launches ---------------------------------------------------
+
+def no_traceback_from_us(text):
+    """No traceback frame in the scripts or common.py (torchrun prints its own ChildFailedError
+    traceback after a worker fails: that one is not ours to shorten)."""
+    return not re.search(r'File "[^"]*(common|_ddp|dp_baseline)\.py", line', text)
+
+
+def assert_error_line(r, *fragments):
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "error:" in ln]
+    assert r.returncode != 0 and lines, r.stderr
+    for f in fragments:
+        assert f in lines[0], (f, r.stderr)
+    assert no_traceback_from_us(r.stderr), r.stderr
+    assert "step" not in r.stdout  # no training step was logged
+
+
+@pytest.mark.parametrize("launch", ["spawn", "torchrun"])
+def test_unwritable_checkpoint_fails_before_training(tiny_mnist, launch):
+    args = ["--data-dir", tiny_mnist, "--checkpoint", "/proc/x/c.pt", "--log-interval", 1]
+    if launch == "spawn":
+        r = run_script("spawn_ddp.py", *args, check=False, timeout=120)
+    else:
+        r = run_script("torchrun_ddp.py", *args, launcher=TORCHRUN, check=False, timeout=120)
+    assert_error_line(r, "--checkpoint /proc/x/c.pt", "cannot create the folder")
+
+
+@pytest.mark.parametrize("launch", ["spawn", "torchrun"])
+def test_malformed_data_fails_with_the_file_named(tiny_mnist, tmp_path, launch):
+    """Under torchrun, local rank 0 checks the files while the others wait at a barrier: the
+    error must end the job, not leave it hanging."""
+    broken, fragment = malformed(tmp_path, tiny_mnist)["count mismatch"]
+    args = ["--data-dir", broken, "--log-interval", 1, "--timeout", 30]
+    if launch == "spawn":
+        r = run_script("spawn_ddp.py", *args, check=False, timeout=120)
+    else:
+        r = run_script("torchrun_ddp.py", *args, launcher=TORCHRUN, check=False, timeout=120)
+    assert_error_line(r, fragment)
+
+
+# ---- a full disk, or a disk that turns read-only, never costs the last good snapshot --------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of 1.5 MB: room for one checkpoint of this model (about 1 MB) but not two."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(mount)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+SAVE_ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 100)
+# 19 steps per epoch: snapshots at steps 6, 12, 18
+
+
+def check_previous_snapshot_kept(r, ckpt, reason):
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "could not write the checkpoint" in ln]
+    assert lines and reason in lines[0] and "the previous one, if any, is intact" in lines[0], r.stderr
+    assert no_traceback_from_us(r.stderr), r.stderr
+    state = torch.load(ckpt, weights_only=True)  # still whole and loadable
+    assert (state["epoch"], state["step"]) == (0, 6)
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["c.pt"]  # the .tmp file is gone
+
+
+@pytest.mark.parametrize("script,extra", [("spawn_ddp.py", ["--nproc-per-node", 2, "--timeout", 30]),
+                                          ("dp_baseline.py", [])])
+def test_full_disk_keeps_the_previous_snapshot(tiny_mnist, small_disk, script, extra):
+    ckpt = small_disk / "c.pt"
+    r = run_script(script, "--data-dir", tiny_mnist, *SAVE_ARGS, *extra, "--checkpoint", ckpt,
+                   check=False, timeout=120)
+    check_previous_snapshot_kept(r, ckpt, "No space left on device")
+
+
+def test_disk_turning_read_only_keeps_the_previous_snapshot(tiny_mnist, small_disk):
+    """Write permission lost mid-run (here: the filesystem remounted read-only after the first
+    snapshot); every process stops, none hangs."""
+    ckpt = small_disk / "c.pt"
+    cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),
+           *map(str, SAVE_ARGS), "--nproc-per-node", "2", "--timeout", "30", "--checkpoint", str(ckpt)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(DDP_TEST_STEP_DELAY=0.2), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        wait_for(ckpt.exists, 90, "the first snapshot")
+        r = subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    check_previous_snapshot_kept(subprocess.CompletedProcess(cmd, proc.returncode, out, err),
+                                 ckpt, "Read-only file system")

@@ -1,0 +1,52 @@
+"""Precision that fits the CPU: bfloat16 autocast only pays on a CPU with bf16 instructions
+(AVX512_BF16 or AMX on x86, BF16 on ARM); elsewhere it is emulated and slower than fp32.
+The tests decide which CPU the scripts believe they run on (tests/instrument fakes what
+torch.cpu.get_capabilities reports), so they do not depend on the machine running them."""
+import pytest
+
+from conftest import load, run_mains, run_script
+
+NO_BF16 = "avx512_bf16=0,amx_bf16=0,bf16=0,sve_bf16=0"
+BF16 = "avx512_bf16=1,amx_bf16=1"
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
+
+
+def run(script, *cases):
+    """(argv, faked features) pairs through the script's real main(), stopped before training."""
+    return run_mains(script, [{"argv": ["--dummy", *argv], "env": {"DDP_TEST_CPU_FEATURES": f}}
+                              for argv, f in cases], DDP_TEST_CPU_FEATURES="", block="apex")
+
+
+def path_line(result):
+    return next(ln for ln in result["stdout"].splitlines() if ln.startswith("path: "))
+
+
+def test_apex_native_o1_is_fp32_without_bf16_instructions():
+    without, with_, o0 = run("apex_ddp.py", ([], NO_BF16), ([], BF16), (["--opt-level", "O0"], NO_BF16))
+    assert all(r["started"] and not r["stderr"].strip() for r in (without, with_, o0))
+    assert "opt level O1 -> fp32 (bfloat16 would be slower on this CPU: it has no bfloat16 " \
+           "instructions" in path_line(without)
+    assert path_line(with_).endswith("opt level O1 -> autocast bfloat16")
+    assert path_line(o0).endswith("opt level O0 -> fp32")
+
+
+@pytest.mark.parametrize("script", ["dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py"])
+def test_amp_bf16_warns_only_without_bf16_instructions(script):
+    without, with_, fp16 = run(script, (["--amp", "bf16"], NO_BF16), (["--amp", "bf16"], BF16),
+                               (["--amp", "fp16"], BF16))
+    assert without["started"] and with_["started"] and fp16["started"]  # it runs as asked
+    [line] = [ln for ln in without["stderr"].splitlines() if ln.strip()]
+    assert line.startswith("warning: --amp bf16 on this CPU is slower than fp32: it has no "
+                           "bfloat16 instructions")
+    assert not with_["stderr"].strip()
+    assert fp16["stderr"].startswith("warning: --amp fp16 on this CPU is slower than fp32")
+
+
+@pytest.mark.parametrize("features,amp", [(NO_BF16, "none"), (BF16, "bf16")])
+def test_apex_native_trains_in_the_chosen_precision(tiny_mnist, tmp_path, features, amp):
+    """End to end under torchrun: the checkpoint records the precision actually used."""
+    run_script("apex_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 64, "--timeout", 30,
+               "--checkpoint", tmp_path / "c.pt", launcher=TORCHRUN, block="apex",
+               DDP_TEST_CPU_FEATURES=features)
+    ckpt = load(tmp_path / "c.pt")
+    assert ckpt["args"]["amp"] == amp and not ckpt["scaler"]

@@ -1,0 +1,111 @@
+"""SIGTERM, the notice a scheduler sends before it kills a job (SLURM at the time limit or on
+preemption, then SIGKILL after KillWait; Kubernetes likewise; torchrun when it stops its
+workers). Every process finishes the step it is in, they agree on one step to stop at, the
+writer saves a snapshot there, and the run ends with a `preempted:` line and exit code 143.
+The same command with --resume then ends bit-identical to a run that was never interrupted.
+
+The signal goes either to every process of the job (what SLURM does) or to the launcher alone
+(what a user's `kill PID` does): spawn_ddp.py's launcher and torchrun's agent pass it on."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, assert_same_training_state, load, read_metrics, run_script, script_env
+
+PREEMPTED = 143
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
+ARGS = ("--batch-size", 32, "--epochs", 2, "--log-interval", 1)  # 19 steps per epoch
+RUNS = {  # script: (launcher, extra flags)
+    "spawn_ddp.py": ((), ["--nproc-per-node", 2, "--timeout", 30]),
+    "torchrun_ddp.py": (TORCHRUN, ["--timeout", 30]),
+    "apex_ddp.py": (TORCHRUN, ["--timeout", 30, "--opt-level", "O0"]),
+    "dp_baseline.py": ((), []),
+}
+CASES = [("spawn_ddp.py", "job"), ("spawn_ddp.py", "launcher"), ("dp_baseline.py", "job"),
+         ("torchrun_ddp.py", "job"), ("torchrun_ddp.py", "launcher"), ("apex_ddp.py", "job")]
+
+
+def command(script, tiny_mnist, ckpt, *more):
+    launcher, extra = RUNS[script]
+    return [sys.executable, *launcher, str(ROOT / script), "--data-dir", str(tiny_mnist),
+            *map(str, ARGS), *map(str, extra), "--checkpoint", str(ckpt), *map(str, more)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_mnist, tmp_path_factory):
+    """The same run without a signal, once per script: what every resumed run must equal."""
+    made = {}
+
+    def get(script):
+        if script not in made:
+            ckpt = tmp_path_factory.mktemp("straight") / "c.pt"
+            launcher, extra = RUNS[script]
+            run_script(script, "--data-dir", tiny_mnist, *ARGS, *extra, "--checkpoint", ckpt,
+                       launcher=launcher, block="apex")
+            made[script] = load(ckpt)
+        return made[script]
+    return get
+
+
+def start_and_signal(cmd, who, after_step=5):
+    """Start the job in its own process group; once rank 0 logged `after_step` steps, send
+    SIGTERM to the whole group (`job`) or to the launcher only (`launcher`)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            env=script_env(DDP_TEST_STEP_DELAY=0.1, block="apex"))
+    try:
+        out = []
+        for line in proc.stdout:  # progress lines: "epoch 1/2 step 5/19 ..."
+            out.append(line)
+            if line.startswith("epoch 1/2 step ") and int(line.split()[3].split("/")[0]) >= after_step:
+                break
+        if who == "job":
+            os.killpg(proc.pid, signal.SIGTERM)  # every process, as SLURM sends it
+        else:
+            os.kill(proc.pid, signal.SIGTERM)    # the launcher alone, as `kill PID` does
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out) + rest, err)
+
+
+@pytest.mark.parametrize("script,who", CASES, ids=[f"{s}-{w}" for s, w in CASES])
+def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tmp_path,
+                                                                  uninterrupted, script, who):
+    ckpt = tmp_path / "c.pt"
+    r = start_and_signal(command(script, tiny_mnist, ckpt), who)
+    torchrun = bool(RUNS[script][0])
+    # torchrun's agent itself ends with exit code 1 and its own SignalException traceback
+    # when it got the signal (it re-raises it); our scripts exit with 143.
+    assert r.returncode == (1 if torchrun else PREEMPTED), f"{r.stdout}\n{r.stderr}"
+    lines = [ln for ln in r.stderr.splitlines() if "preempted:" in ln]
+    assert len(lines) == 1, r.stderr  # rank 0 says it, once
+    snap = load(ckpt)
+    assert snap["epoch"] == 0 and snap["step"] >= 5, (snap["epoch"], snap["step"])  # mid-epoch
+    assert f"stopped on SIGTERM after step {snap['step']} of epoch 1; snapshot in {ckpt}" in lines[0]
+    assert "error" not in r.stderr.replace("Traceback", "").lower() or torchrun, r.stderr
+    assert 'File "' + str(ROOT) not in r.stderr, r.stderr  # no traceback from our code
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]  # no temp file left
+    # and the job goes on from the snapshot, to exactly the end an uninterrupted run reaches
+    launcher, extra = RUNS[script]
+    r2 = run_script(script, "--data-dir", tiny_mnist, *ARGS, *extra, "--checkpoint", ckpt,
+                    "--resume", "--metrics", tmp_path / "m.jsonl", launcher=launcher,
+                    block="apex")
+    assert f"0 epoch(s) + {snap['step']} step(s) trained" in r2.stdout
+    assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
+    assert_same_training_state(uninterrupted(script), load(ckpt))
+
+
+def test_sigterm_without_checkpoint_stops_cleanly(tiny_mnist):
+    """No --checkpoint: nothing to save, but the same clean stop and the same exit code."""
+    cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist), *map(str, ARGS),
+           "--nproc-per-node", "2", "--timeout", "30"]
+    r = start_and_signal(cmd, "job")
+    assert r.returncode == PREEMPTED, r.stderr
+    assert "nothing saved (no --checkpoint)" in r.stderr
+    assert 'File "' + str(ROOT) not in r.stderr
