@@ -155,3 +155,30 @@ def run_mains(script, cases, timeout=240, **extra_env):
     results = [json.loads(line) for line in p.stdout.splitlines()]
     assert len(results) == len(cases), p.stdout
     return results
+
+
+# ---- GPU tests (test_cuda.py, test_real_apex.py): read what GPU runs wrote, on the CPU ---------
+
+def load_on_cpu(path):
+    """A checkpoint (or recorded state) written on any device, read here on the CPU: the test
+    process itself never allocates GPU memory."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def storage_locations(path):
+    """The devices a file's tensors were saved from: {"cpu"}, {"cuda:0", "cpu"}, ..."""
+    seen = set()
+
+    def keep(storage, location):
+        seen.add(location)
+        return storage
+    torch.load(path, map_location=keep, weights_only=True)
+    return seen
+
+
+def optimizer_steps(ckpt):
+    """The steps the checkpoint's optimizer (Adam) really took, one count for all parameters: a
+    step that the GradScaler or apex amp skipped after an overflow does not count."""
+    steps = {int(s["step"]) for s in ckpt["optimizer"]["state"].values()}
+    assert len(steps) == 1, steps
+    return steps.pop()

@@ -147,3 +147,103 @@ if RECORD:
                     pass
             _append("exit", {"rank": _ranks[-1], "threads": sorted(names)})
     atexit.register(_record_threads_at_exit)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU instrumentation (tests/test_cuda.py, tests/test_real_apex.py). Like the above, each part is
+# off unless its variable is set, and changes nothing but what its line says:
+#
+#   DDP_TEST_INF_GRAD_STEP=N  the N-th training loss that F.cross_entropy computes in a process
+#                             (counting only losses that build a graph) keeps its value but gets
+#                             an infinite gradient: an fp16 overflow on a chosen step, which the
+#                             GradScaler (or apex amp) must skip. One line on stderr says when.
+#   DDP_TEST_INF_GRAD_RANK=R  ... only in the process of global rank R (default: in every one)
+#   DDP_TEST_GPU_RECORD=DIR   at exit, each process appends to DIR/gpu-PID.jsonl: its rank and
+#                             the CUDA device current at init_process_group (both None without a
+#                             process group); for every visible GPU whether this process holds a
+#                             CUDA context there, and its peak allocated and reserved memory
+#                             there; the classes of the modules whose forward ran, and each class
+#                             with the dtype of its outputs ("torch.nn.modules.conv.Conv2d
+#                             float16")
+
+if os.environ.get("DDP_TEST_INF_GRAD_STEP"):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional
+
+    _inf_step, _losses = int(os.environ["DDP_TEST_INF_GRAD_STEP"]), [0]
+    _inf_rank = os.environ.get("DDP_TEST_INF_GRAD_RANK")
+    _cross_entropy = torch.nn.functional.cross_entropy
+
+    class _InfiniteGradient(torch.autograd.Function):
+        """The identity forward; backward sends +inf to everything that produced the loss."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.full_like(grad, float("inf"))
+
+    def _overflowing_cross_entropy(*args, **kwargs):
+        loss = _cross_entropy(*args, **kwargs)
+        if not loss.requires_grad:  # evaluation, or under no_grad
+            return loss
+        _losses[0] += 1
+        if _losses[0] != _inf_step:
+            return loss
+        if _inf_rank is not None and (not dist.is_initialized() or
+                                      dist.get_rank() != int(_inf_rank)):
+            return loss
+        print(f"test instrumentation: infinite gradient for training loss {_inf_step} "
+              f"(pid {os.getpid()})", file=sys.stderr, flush=True)
+        return _InfiniteGradient.apply(loss)
+    torch.nn.functional.cross_entropy = _overflowing_cross_entropy
+
+GPU_RECORD = os.environ.get("DDP_TEST_GPU_RECORD")
+if GPU_RECORD:
+    import threading
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.modules.module import register_module_forward_hook
+
+    _gpu = {"rank": None, "device": None}
+    _ran, _ran_lock = set(), threading.Lock()  # DataParallel runs its replicas in threads
+
+    def _record_module(module, _inputs, output):
+        name = f"{type(module).__module__}.{type(module).__qualname__}"
+        dtype = str(output.dtype).replace("torch.", "") if torch.is_tensor(output) else None
+        with _ran_lock:
+            _ran.add((name, dtype))
+    register_module_forward_hook(_record_module)
+
+    _gpu_init_pg = dist.init_process_group
+
+    def _gpu_recording_init_pg(*args, **kwargs):
+        _gpu_init_pg(*args, **kwargs)
+        _gpu["rank"] = dist.get_rank()
+        if torch.cuda.is_initialized():  # the scripts call set_device before this
+            _gpu["device"] = torch.cuda.current_device()
+    dist.init_process_group = _gpu_recording_init_pg
+
+    def _record_gpus_at_exit():
+        row = {"pid": os.getpid(), **_gpu, "modules": sorted({n for n, _ in _ran}),
+               "outputs": sorted(f"{n} {d}" for n, d in _ran if d),
+               "cuda_initialized": False, "contexts": [], "max_allocated": [], "reserved": []}
+        try:
+            n = torch.cuda.device_count()
+            # Asks the driver whether this process's primary context on each GPU is active (it
+            # creates none). Contexts first, so that nothing below can add one unseen.
+            row["contexts"] = [bool(torch._C._cuda_hasPrimaryContext(i)) for i in range(n)]
+            if torch.cuda.is_initialized():  # otherwise nothing was allocated anywhere
+                row["cuda_initialized"] = True
+                row["max_allocated"] = [torch.cuda.max_memory_allocated(i) for i in range(n)]
+                row["reserved"] = [torch.cuda.memory_reserved(i) for i in range(n)]
+        except Exception as e:  # recorded, so that the test fails with the reason
+            row["error"] = f"{type(e).__name__}: {e}"
+        with open(os.path.join(GPU_RECORD, f"gpu-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+    atexit.register(_record_gpus_at_exit)

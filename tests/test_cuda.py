@@ -1,0 +1,340 @@
+"""The scripts on GPUs: NCCL, one GPU per process, fp16 with a GradScaler (and a forced
+overflow), bf16, channels_last, SyncBatchNorm, DataParallel over every GPU, checkpoints that move
+between GPU and CPU. Every test is marked `cuda` and skips, saying why, where torch sees no GPU;
+those that need two GPUs skip on one. Run them with `python -m pytest -m cuda`; see
+docs/gpu-tests.md. They launch the real scripts as subprocesses (conftest.run_script); this
+process reads their checkpoints with map_location="cpu" and allocates nothing on a GPU.
+
+Written on a machine without a GPU: until docs/gpu-tests.md says otherwise, they have never run.
+
+What the GPU runs report comes from tests/instrument/sitecustomize.py: DDP_TEST_GPU_RECORD
+(contexts and memory per GPU and module output dtypes, per process, at exit) and
+DDP_TEST_INF_GRAD_STEP (an infinite gradient on one chosen step)."""
+import math
+import sys
+
+import pytest
+import torch
+
+import conftest
+from conftest import N_TEST, ROOT, load_on_cpu, optimizer_steps, read_metrics, read_records, \
+    storage_locations
+
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+
+def run_script(*args, **kwargs):
+    """conftest.run_script with the GPUs visible (the CPU tests hide them); a test that wants a
+    CPU-only run passes CUDA_VISIBLE_DEVICES="" itself."""
+    return conftest.run_script(*args, gpus=True, **kwargs)
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU: torch.cuda.is_available() "
+                                 "is False on this machine")]
+two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs, torch sees {GPUS}")
+
+DDP_SCRIPTS = ["spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py"]
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone")  # the `torchrun` command
+STEPS = 10  # per epoch: conftest's 600 training images in global batches of 64
+CONV = "torch.nn.modules.conv.Conv2d"
+
+
+def launch(script, nproc, data, *args, amp="none", **kw):
+    """One run of `script` on the tiny MNIST with `nproc` processes (spawn_ddp.py spawns them,
+    torchrun starts the others; dp_baseline.py is always one process over all its GPUs).
+    apex_ddp.py runs its native path (--native): --opt-level O0 for fp32, O1 for fp16."""
+    flags = ["--data-dir", data, "--batch-size", 64, "--log-interval", 5, "--timeout", 60, *args]
+    kw.setdefault("timeout", 300)  # CUDA and NCCL start-up can take tens of seconds
+    if script == "apex_ddp.py":
+        flags += ["--native", "--opt-level", {"none": "O0", "fp16": "O1"}[amp]]
+    elif amp != "none":
+        flags += ["--amp", amp]
+    if script == "spawn_ddp.py":
+        return run_script(script, "--nproc-per-node", nproc, *flags, **kw)
+    if script == "dp_baseline.py":
+        assert nproc == 1, "DataParallel is one process"
+        return run_script(script, *flags, **kw)
+    return run_script(script, *flags, launcher=(*TORCHRUN, f"--nproc-per-node={nproc}"), **kw)
+
+
+def record_dir(tmp_path, name="gpu"):
+    d = tmp_path / name
+    d.mkdir()
+    return d
+
+
+def workers(rec):
+    """The GPU records of the processes that joined a process group (DataParallel: of the one
+    process that ran the model), sorted by rank."""
+    rows = read_records(rec, "gpu")
+    for row in rows:
+        assert "error" not in row, row
+    return sorted((r for r in rows if r["rank"] is not None or "common.Net" in r["modules"]),
+                  key=lambda r: r["rank"] or 0)
+
+
+def assert_trained(metrics, epochs, world_size):
+    rows = read_metrics(metrics)
+    assert [r["epoch"] for r in rows] == list(range(1, epochs + 1))
+    assert all(r["world_size"] == world_size and r["total"] == N_TEST for r in rows)
+    assert all(math.isfinite(r["train_loss"]) for r in rows)
+    if epochs > 1:
+        assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert rows[-1]["test_acc"] > 80, rows
+    return rows
+
+
+def assert_plain_checkpoint(path, written_on):
+    """Saved from `written_on` (e.g. "cuda:0"), no "module." prefix, loads into common.Net."""
+    gpus = {loc for loc in storage_locations(path) if loc != "cpu"}  # Adam's step counts stay
+    assert gpus == ({written_on} if written_on != "cpu" else set())  # on the CPU in any run
+    ckpt = load_on_cpu(path)
+    common.Net().load_state_dict(ckpt["model"])  # strict: every key, no "module." prefix
+    return ckpt
+
+
+def evaluate(data, ckpt, metrics, script="spawn_ddp.py", **env):
+    """--evaluate with one process, without the training flags; returns the correct count."""
+    extra = ("--nproc-per-node", 1) if script == "spawn_ddp.py" else ()
+    r = run_script(script, "--data-dir", data, *extra, "--evaluate", "--checkpoint", ckpt,
+                   "--metrics", metrics, timeout=300, **env)
+    [row] = read_metrics(metrics)
+    assert row["total"] == N_TEST and row["evaluate"]
+    return row["correct"], r
+
+
+# ---- every launch style on NCCL ------------------------------------------------------------
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=two_gpus)])
+@pytest.mark.parametrize("script", DDP_SCRIPTS)
+def test_ddp_scripts_train_on_nccl(script, nproc, tiny_mnist, tmp_path):
+    rec, ckpt, metrics = record_dir(tmp_path), tmp_path / "c.pt", tmp_path / "m.jsonl"
+    r = launch(script, nproc, tiny_mnist, "--epochs", 2, "--checkpoint", ckpt,
+               "--metrics", metrics, DDP_TEST_GPU_RECORD=rec)
+    assert f"{nproc} processes" in r.stdout and "backend nccl, device cuda" in r.stdout
+    if script == "apex_ddp.py":
+        [path] = [ln for ln in r.stdout.splitlines() if ln.startswith("path: ")]
+        assert path.startswith("path: native PyTorch (--native)") and "fp32" in path, path
+    assert_trained(metrics, 2, nproc)
+    assert assert_plain_checkpoint(ckpt, "cuda:0")["epoch"] == 2  # written by rank 0, on GPU 0
+    ws = workers(rec)
+    assert [w["rank"] for w in ws] == list(range(nproc))
+    for w in ws:
+        assert w["device"] == w["rank"]  # rank r on GPU r
+        assert f"{CONV} float32" in w["outputs"] and f"{CONV} float16" not in w["outputs"]
+
+
+def test_dataparallel_uses_every_visible_gpu(tiny_mnist, tmp_path):
+    rec, ckpt, metrics = record_dir(tmp_path), tmp_path / "c.pt", tmp_path / "m.jsonl"
+    r = launch("dp_baseline.py", 1, tiny_mnist, "--epochs", 2, "--checkpoint", ckpt,
+               "--metrics", metrics, DDP_TEST_GPU_RECORD=rec)
+    assert f"DataParallel over GPU(s) {list(range(GPUS))}, gathering on cuda:0" in r.stdout
+    assert_trained(metrics, 2, 1)
+    assert_plain_checkpoint(ckpt, "cuda:0")
+    [proc] = workers(rec)
+    assert "torch.nn.parallel.data_parallel.DataParallel" in proc["modules"]
+    assert proc["contexts"] == [True] * GPUS  # a replica on every GPU ...
+    assert all(m > 0 for m in proc["max_allocated"]), proc  # ... that really computed there
+
+
+@two_gpus
+def test_dataparallel_on_a_chosen_gpu_stays_on_it(tiny_mnist, tmp_path):
+    last = GPUS - 1
+    rec, ckpt, metrics = record_dir(tmp_path), tmp_path / "c.pt", tmp_path / "m.jsonl"
+    r = launch("dp_baseline.py", 1, tiny_mnist, "--gpus", last, "--checkpoint", ckpt,
+               "--metrics", metrics, DDP_TEST_GPU_RECORD=rec)
+    assert f"DataParallel over GPU(s) [{last}], gathering on cuda:{last}" in r.stdout
+    assert_trained(metrics, 1, 1)
+    assert_plain_checkpoint(ckpt, f"cuda:{last}")
+    [proc] = workers(rec)
+    assert proc["contexts"] == [i == last for i in range(GPUS)], proc
+    assert [m > 0 for m in proc["max_allocated"]] == [i == last for i in range(GPUS)], proc
+
+
+# ---- mixed precision -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script,nproc,rank", [
+    *[(s, 1, None) for s in [*DDP_SCRIPTS, "dp_baseline.py"]],
+    # the overflow in one process only: DDP's all-reduce must carry it to the other, so that
+    # both skip the same step and stay identical
+    pytest.param("spawn_ddp.py", 2, 1, marks=two_gpus),
+    pytest.param("torchrun_ddp.py", 2, 1, marks=two_gpus)])
+def test_fp16_overflow_skips_the_step_and_the_schedule_waits(script, nproc, rank, tiny_mnist,
+                                                              tmp_path):
+    """fp16 autocast + GradScaler, with an infinite gradient forced on step 13 (the third of
+    epoch 2). The scaler skips that optimizer step and halves its scale; the script must then
+    not step the LR schedule either, so the scheduler has counted exactly the optimizer's
+    steps. Steps that overflow by themselves (early, while the scale is high) are allowed:
+    every check counts skips from the checkpoint instead of assuming there is exactly one."""
+    inf_at, total = STEPS + 3, 2 * STEPS
+    env = {"DDP_TEST_INF_GRAD_STEP": inf_at}
+    if rank is not None:
+        env["DDP_TEST_INF_GRAD_RANK"] = rank
+    rec, replicas = record_dir(tmp_path), record_dir(tmp_path, "replicas")
+    ckpt, metrics = tmp_path / "c.pt", tmp_path / "m.jsonl"
+    r = launch(script, nproc, tiny_mnist, "--epochs", 2, "--checkpoint", ckpt, "--metrics", metrics,
+               amp="fp16", record=replicas, DDP_TEST_GPU_RECORD=rec, **env)
+    assert r.stderr.count("test instrumentation: infinite gradient") == 1, r.stderr
+    assert_trained(metrics, 2, nproc)  # the loss values stay finite: only the gradient overflowed
+
+    ckpt = load_on_cpu(ckpt)
+    steps = optimizer_steps(ckpt)
+    skipped = total - steps
+    assert skipped >= 1  # the forced overflow was skipped
+    assert ckpt["scheduler"]["last_epoch"] == steps  # the schedule advanced with the optimizer,
+    assert ckpt["scheduler"]["_step_count"] == steps + 1  # not with the loop
+    assert ckpt["scheduler"]["_last_lr"] == [g["lr"] for g in ckpt["optimizer"]["param_groups"]]
+    # the scale halves on each skip and would grow only after 2000 clean steps
+    assert ckpt["scaler"]["scale"] == 2.0 ** 16 * 0.5 ** skipped
+    assert ckpt["scaler"]["_growth_tracker"] <= total - inf_at  # the last skip: step 13 or later
+    for w in workers(rec):
+        assert f"{CONV} float16" in w["outputs"]  # autocast really ran the convolutions in fp16
+    if nproc > 1:  # both processes skipped the same step: their models are still identical
+        a, b = (load_on_cpu(replicas / f"final-rank{i}.pt") for i in (0, 1))
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py", "dp_baseline.py"])
+def test_bf16_autocast_needs_no_scaler(script, tiny_mnist, tmp_path):
+    """apex_ddp.py has no bf16 on GPUs: its native path maps O1-O3 to fp16 there."""
+    # asked here, not at import: the question gives this process a context on GPU 0
+    if not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU does not support bfloat16 (torch.cuda.is_bf16_supported())")
+    rec, ckpt, metrics = record_dir(tmp_path), tmp_path / "c.pt", tmp_path / "m.jsonl"
+    launch(script, 1, tiny_mnist, "--epochs", 2, "--checkpoint", ckpt, "--metrics", metrics,
+           amp="bf16", DDP_TEST_GPU_RECORD=rec)
+    assert_trained(metrics, 2, 1)
+    ckpt = load_on_cpu(ckpt)
+    assert ckpt["scaler"] == {}  # GradScaler disabled: nothing to save
+    assert optimizer_steps(ckpt) == ckpt["scheduler"]["last_epoch"] == 2 * STEPS  # none skipped
+    [w] = workers(rec)
+    assert f"{CONV} bfloat16" in w["outputs"] and f"{CONV} float16" not in w["outputs"]
+
+
+# ---- memory format and SyncBatchNorm ---------------------------------------------------------
+
+@pytest.mark.parametrize("script,nproc", [("spawn_ddp.py", 1),
+                                          pytest.param("spawn_ddp.py", 2, marks=two_gpus),
+                                          ("dp_baseline.py", 1)])
+def test_channels_last_on_gpu(script, nproc, tiny_mnist, tmp_path):
+    """NHWC weights with fp16: no DDP warning about gradient strides, weights saved as they
+    are, and the checkpoint evaluates the same without the flag."""
+    ckpt, metrics = tmp_path / "c.pt", tmp_path / "m.jsonl"
+    r = launch(script, nproc, tiny_mnist, "--channels-last", "--checkpoint", ckpt,
+               "--metrics", metrics, amp="fp16")
+    assert "stride" not in r.stderr.lower()  # DDP warns when grads and buckets differ in layout
+    [trained] = assert_trained(metrics, 1, nproc)
+    w = assert_plain_checkpoint(ckpt, "cuda:0")["model"]["features.4.weight"]  # 16 channels in
+    assert w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+    correct, _ = evaluate(tiny_mnist, ckpt, tmp_path / "eval.jsonl")
+    assert correct == trained["correct"]
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=two_gpus)])
+@pytest.mark.parametrize("script", DDP_SCRIPTS)
+def test_sync_bn_converts_trains_and_saves_a_plain_model(script, nproc, tiny_mnist, tmp_path):
+    rec, ckpt, metrics = record_dir(tmp_path), tmp_path / "c.pt", tmp_path / "m.jsonl"
+    launch(script, nproc, tiny_mnist, "--sync-bn", "--epochs", 2, "--checkpoint", ckpt,
+           "--metrics", metrics, DDP_TEST_GPU_RECORD=rec)
+    for w in workers(rec):  # every BatchNorm2d was replaced before training
+        assert "torch.nn.modules.batchnorm.SyncBatchNorm" in w["modules"]
+        assert "torch.nn.modules.batchnorm.BatchNorm2d" not in w["modules"]
+    rows = assert_trained(metrics, 2, nproc)
+    assert_plain_checkpoint(ckpt, "cuda:0")  # SyncBatchNorm's keys are BatchNorm2d's
+    correct, _ = evaluate(tiny_mnist, ckpt, tmp_path / "eval.jsonl")  # plain BatchNorm2d
+    assert correct == rows[-1]["correct"]
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+# spawn_ddp.py --nproc-per-node GPUS+1: tests/test_spawn_ddp.py::test_error_more_processes_than_gpus
+# (not marked `cuda`: it runs in the plain suite wherever there is a GPU).
+
+@pytest.mark.parametrize("script", ["torchrun_ddp.py", "apex_ddp.py"])
+def test_more_processes_than_gpus_is_refused(script, tiny_mnist):
+    n = GPUS + 1
+    r = run_script(script, "--data-dir", tiny_mnist, launcher=(*TORCHRUN, f"--nproc-per-node={n}"),
+                   check=False, timeout=180)
+    assert r.returncode != 0
+    assert f"error: --nproc-per-node {n} but this machine has {GPUS} GPU(s)" in r.stderr
+
+
+def test_dataparallel_refuses_a_gpu_that_is_not_there(tiny_mnist):
+    r = run_script("dp_baseline.py", "--data-dir", tiny_mnist, "--gpus", f"0,{GPUS}",
+                   check=False, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert f"this machine has {GPUS} GPU(s)" in lines[0]
+
+
+# ---- checkpoints between GPU and CPU -------------------------------------------------------------
+
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # what a CPU-only machine looks like to torch
+
+
+def test_gpu_checkpoint_evaluates_and_resumes_on_a_cpu(tiny_mnist, tmp_path):
+    """Written on GPU 0 with fp16 (so with a GradScaler state); read where CUDA is hidden."""
+    ckpt, metrics = tmp_path / "c.pt", tmp_path / "m.jsonl"
+    launch("spawn_ddp.py", 1, tiny_mnist, "--epochs", 2, "--stop-after", 1, "--checkpoint", ckpt,
+           "--metrics", metrics, amp="fp16")
+    [trained] = assert_trained(metrics, 1, 1)
+    assert_plain_checkpoint(ckpt, "cuda:0")
+    correct, r = evaluate(tiny_mnist, ckpt, tmp_path / "eval.jsonl", **NO_GPU)
+    assert "backend gloo, device cpu" in r.stdout
+    assert correct == trained["correct"]
+    r = launch("spawn_ddp.py", 1, tiny_mnist, "--epochs", 2, "--checkpoint", ckpt, "--resume",
+               "--metrics", metrics, amp="fp16", **NO_GPU)
+    assert "device cpu" in r.stdout and "1 epoch(s) + 0 step(s)" in r.stdout
+    assert_trained(metrics, 2, 1)  # epoch 1 on the GPU, epoch 2 on the CPU
+    resumed = assert_plain_checkpoint(ckpt, "cpu")
+    assert resumed["epoch"] == 2 and resumed["scaler"]["scale"] > 0
+
+
+@pytest.mark.parametrize("evaluator", ["spawn_ddp.py", "dp_baseline.py"])
+def test_cpu_checkpoint_evaluates_and_resumes_on_a_gpu(evaluator, tiny_mnist, tmp_path):
+    ckpt, metrics = tmp_path / "c.pt", tmp_path / "m.jsonl"
+    launch("spawn_ddp.py", 1, tiny_mnist, "--epochs", 2, "--stop-after", 1, "--checkpoint", ckpt,
+           "--metrics", metrics, **NO_GPU)
+    [trained] = assert_trained(metrics, 1, 1)
+    assert_plain_checkpoint(ckpt, "cpu")
+    correct, r = evaluate(tiny_mnist, ckpt, tmp_path / "eval.jsonl", script=evaluator)
+    assert "device cuda" in r.stdout or "DataParallel over GPU(s)" in r.stdout
+    assert correct == trained["correct"]
+    launch(evaluator, 1, tiny_mnist, "--epochs", 2, "--checkpoint", ckpt, "--resume",
+           "--metrics", metrics)
+    assert_trained(metrics, 2, 1)  # epoch 1 on the CPU, epoch 2 on the GPU
+    assert assert_plain_checkpoint(ckpt, "cuda:0")["epoch"] == 2
+
+
+# ---- one GPU per process -----------------------------------------------------------------------
+
+@two_gpus
+@pytest.mark.parametrize("script", DDP_SCRIPTS)
+def test_no_process_but_rank_r_uses_gpu_r(script, tiny_mnist, tmp_path):
+    """The classic "extra processes on GPU 0": a torch.load without map_location, or a CUDA
+    call before set_device, gives every rank a context (and memory) on GPU 0. Checked for a
+    training run, a resume (every rank loads the checkpoint) and an evaluation, each with 2
+    processes: rank r holds a context and memory on GPU r and nowhere else, and the launching
+    processes (spawn's parent, torchrun's agent, helpers) hold none at all."""
+    ckpt = tmp_path / "c.pt"
+    runs = {"train": ["--epochs", 2, "--stop-after", 1],
+            "resume": ["--epochs", 2, "--resume"],  # torchrun/apex: implied by the file's existence
+            "evaluate": ["--evaluate"]}
+    for name, args in runs.items():
+        rec = record_dir(tmp_path, name)
+        launch(script, 2, tiny_mnist, *args, "--checkpoint", ckpt, amp="fp16",
+               DDP_TEST_GPU_RECORD=rec)
+        rows = read_records(rec, "gpu")
+        assert sorted(r["rank"] for r in rows if r["rank"] is not None) == [0, 1], (name, rows)
+        for row in rows:
+            assert "error" not in row, (name, row)
+            if row["rank"] is None:
+                assert not any(row["contexts"]), (name, row)
+                continue
+            mine = [i == row["rank"] for i in range(GPUS)]
+            assert row["device"] == row["rank"], (name, row)
+            assert row["contexts"] == mine, (name, row)
+            assert [m > 0 for m in row["max_allocated"]] == mine, (name, row)
+            assert [m > 0 for m in row["reserved"]] == mine, (name, row)
