@@ -45,11 +45,12 @@ def node_records(cluster, name, kind):
 
 def check_job(cluster, name, ckpt_prefix):
     """Both nodes ran one process each in a world of 2; the save records, per node."""
+    ranks = {}
     for n, samples in node_records(cluster, name, "sampler").items():
-        ranks = {s["rank"] for s in samples}
-        assert len(ranks) == 1, (n, ranks)  # one process on this node
+        [ranks[n]] = {s["rank"] for s in samples}  # one process on this node
         assert all(len(s["indices"]) == N_TRAIN // 2 for s in samples)  # half of each epoch
-        assert (cluster.disks[n] / name / "rec" / f"final-rank{ranks.pop()}.pt").exists()
+        assert (cluster.disks[n] / name / "rec" / f"final-rank{ranks[n]}.pt").exists()
+    assert sorted(ranks.values()) == [0, 1], ranks
     return {n: {s["pid"] for s in saves if s["path"].startswith(str(ckpt_prefix))}
             for n, saves in node_records(cluster, name, "save").items()}
 
