@@ -32,6 +32,8 @@ from conftest import ROOT, assert_no_deprecation_warnings, assert_same_training_
     free_port, load, read_metrics, run_script, script_env, wait_for
 from test_torchrun_ddp import workers_of
 
+pytestmark = pytest.mark.elastic
+
 SCRIPT = "torchrun_ddp.py"
 TORCHRUN = ("-m", "torch.distributed.run")
 RDZV_CONF = "join_timeout=60,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"

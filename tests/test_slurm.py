@@ -20,6 +20,8 @@ from conftest import N_TEST, N_TRAIN, ROOT, assert_same_training_state, load, re
     read_records, script_env
 from slurm_cluster import NODES, slurm_cluster  # noqa: F401  (the fixture)
 
+pytestmark = pytest.mark.slurm
+
 BATCH = {"torchrun": ROOT / "slurm" / "torchrun_ddp.sbatch",
          "spawn": ROOT / "slurm" / "spawn_ddp.sbatch"}
 # Two epochs in the schedule, this job stops after the first: the second submission of the
