@@ -32,24 +32,24 @@ CL = " +channels_last"  # the row label of a run with --channels-last
 ENV = "+env"  # ... and of a run with the --with-env variables
 
 
-def command(script, world_size, args):
-    """The real command line of one launch style at one world size (None: not applicable)."""
+def command(script, world_size, amp):
+    """The real command line of one launch style at one world size and precision (None: not
+    applicable)."""
     if script == "dp_baseline":
-        return [sys.executable, "dp_baseline.py", "--amp", args.amp] if world_size == 1 else None
+        return [sys.executable, "dp_baseline.py", "--amp", amp] if world_size == 1 else None
     if script == "spawn_ddp":
-        return [sys.executable, "spawn_ddp.py", "--nproc-per-node", str(world_size),
-                "--amp", args.amp]
+        return [sys.executable, "spawn_ddp.py", "--nproc-per-node", str(world_size), "--amp", amp]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={world_size}"]
     if script == "torchrun_ddp":
-        return [*torchrun, "torchrun_ddp.py", "--amp", args.amp]
+        return [*torchrun, "torchrun_ddp.py", "--amp", amp]
     # apex_ddp.py picks precision by --opt-level: O0 is fp32; natively O1 is fp16 on GPUs, bf16
     # on a CPU with bf16 instructions and fp32 on other CPUs
     native_o1 = ("fp16" if torch.cuda.is_available() else
                  "bf16" if common.fast_bf16_cpu() else "none")
-    if args.amp not in ("none", native_o1):
+    if amp not in ("none", native_o1):
         return None
-    return [*torchrun, "apex_ddp.py", "--opt-level", "O0" if args.amp == "none" else "O1"]
+    return [*torchrun, "apex_ddp.py", "--opt-level", "O0" if amp == "none" else "O1"]
 
 
 def run_once(cmd, threads, args, seed, batch, rule, env):
@@ -108,7 +108,8 @@ def main():
     p.add_argument("--dummy", action="store_true", help="synthetic data (speed only)")
     p.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=list(SCRIPTS))
     p.add_argument("--world-sizes", nargs="+", type=common.positive_int, default=[1, 2])
-    p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none")
+    p.add_argument("--amp", nargs="+", choices=list(common.AMP_DTYPES), default=["none"],
+                   help="precision(s); several run side by side (default: none)")
     p.add_argument("--channels-last", choices=["off", "on", "both"], default="off",
                    help="run with --channels-last: off, on, or both side by side (default: off)")
     p.add_argument("--batch-size", nargs="+", type=common.positive_int, default=[256],
@@ -140,16 +141,19 @@ def main():
     # A configuration: (script, variant, processes). Variants differ in one setting each.
     layouts = {"off": [False], "on": [True], "both": [False, True]}[args.channels_last]
     several = len(args.batch_size) > 1 or len(args.lr_scaling) > 1
-    variants = {}  # label -> (channels_last, batch, rule, environment)
+    variants = {}  # label -> (channels_last, batch, rule, environment, amp)
     for env in [{}, extra_env] if extra_env else [{}]:
-        for cl in layouts:
-            for batch in args.batch_size:
-                for rule in args.lr_scaling:
-                    label = " ".join(filter(None, [f"batch {batch} {rule}" if several else "",
-                                                   CL.strip() if cl else "", ENV if env else ""]))
-                    variants[label] = (cl, batch, rule, env)
+        for amp in args.amp:
+            for cl in layouts:
+                for batch in args.batch_size:
+                    for rule in args.lr_scaling:
+                        label = " ".join(filter(None, [
+                            f"{amp}" if len(args.amp) > 1 else "",
+                            f"batch {batch} {rule}" if several else "",
+                            CL.strip() if cl else "", ENV if env else ""]))
+                        variants[label] = (cl, batch, rule, env, amp)
     configs = [(s, v, n) for v in variants for s in args.scripts for n in args.world_sizes
-               if command(s, n, args) is not None and variants[v][1] % n == 0]
+               if command(s, n, variants[v][4]) is not None and variants[v][1] % n == 0]
     if not configs:
         raise common.Fatal("no script runs at these world sizes with this --amp")
     results = {c: [] for c in configs}
@@ -158,9 +162,9 @@ def main():
         return max(1, common.cpu_count() // n)
     for rep in range(args.reps):
         for s, v, n in configs:
-            cl, batch, rule, env = variants[v]
+            cl, batch, rule, env, amp = variants[v]
             print(f"rep {rep + 1}/{args.reps}: {s} {v} x{n}", file=sys.stderr, flush=True)
-            cmd = command(s, n, args) + ["--channels-last"] * cl
+            cmd = command(s, n, amp) + ["--channels-last"] * cl
             results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, batch, rule, env))
 
     def name(s, v):
@@ -168,7 +172,7 @@ def main():
     print(f"\nMachine: {machine()}")
     print(f"Work: {'synthetic data' if args.dummy else 'MNIST'}, {args.epochs} epoch(s), global "
           f"batch {' '.join(map(str, args.batch_size))}, --lr-scaling "
-          f"{' '.join(args.lr_scaling)}, --amp {args.amp}, --channels-last {args.channels_last}, "
+          f"{' '.join(args.lr_scaling)}, --amp {' '.join(args.amp)}, --channels-last {args.channels_last}, "
           f"{args.reps} seed(s) per row; median (min-max)"
           + (f"; {ENV}: {args.with_env}" if extra_env else "") + "\n")
     print(f"| script | processes x threads | s to {TARGET:g}% | test acc. mean (worst) | "
@@ -194,7 +198,7 @@ def main():
               + " | ".join(f"epoch {e + 1}" for e in range(args.epochs)) + " | epoch s |")
         print("|---|---|---|---|---|" + "---|" * args.epochs + "---|")
         for (s, v, n), rs in results.items():
-            _, batch, rule, _ = variants[v]
+            _, batch, rule, _, _ = variants[v]
             lr = common.build_parser("").get_default("lr")  # the scripts' --lr
             peak = common.peak_lr(argparse.Namespace(lr=lr, batch_size=batch, lr_scaling=rule))
             cells = [f"{statistics.mean(a):.2f} ({min(a):.2f})"
@@ -220,6 +224,12 @@ def main():
                 lines.append(f"- {name(s, v)} at world size 1 / the same loop without DDP "
                              f"(dp_baseline on CPU): {r}")
     for s, v, n in results:
+        amp = variants[v][4]
+        if len(args.amp) > 1 and amp != "none":  # the same configuration in fp32
+            plain = " ".join(["none", *v.split(" ")[1:]])
+            r = ratio((s, v, n), (s, plain, n))
+            if r:
+                lines.append(f"- {name(s, v)} x{n}: epoch time with --amp {amp} / in fp32: {r}")
         for suffix, what in ((CL.strip(), "--channels-last"), (ENV, ENV)):
             if v.endswith(suffix):
                 plain = v[:-len(suffix)].strip()
@@ -229,7 +239,7 @@ def main():
     if lines:
         print("\nRatios of median epoch times, from this run:\n" + "\n".join(lines))
     if args.png:
-        save_chart(results, args.png, f"{machine()}\n--amp {args.amp}, {args.reps} seed(s)")
+        save_chart(results, args.png, f"{machine()}\n--amp {' '.join(args.amp)}, {args.reps} seed(s)")
 
 
 def save_chart(results, path, title):

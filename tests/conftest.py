@@ -40,6 +40,13 @@ def make_tiny_mnist(root, n_train=N_TRAIN, n_test=N_TEST, seed=0):
     return Path(root)
 
 
+def pytest_collection_modifyitems(items):
+    """The SLURM and elastic groups are slow too: `-m "not slow"` leaves them out."""
+    for item in items:
+        if item.get_closest_marker("slurm") or item.get_closest_marker("elastic"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory):
     return make_tiny_mnist(tmp_path_factory.mktemp("mnist"))

@@ -8,6 +8,10 @@ A case is {"argv": [...], "env": {...}}. A result adds "code" (the exit code; 0 
 returned), "stdout", "stderr", and "started": True when the run got as far as starting work,
 i.e. reading the training data, spawning workers or starting a subprocess. That point is
 where the hooks below stop it: the checks under test all come before it.
+
+With "mode": "parse", a case stops as soon as its command line has been parsed ("started" then
+means: it parsed); with "mode": "describe", the result also lists the parser's flags
+("flags": [[option strings], default, takes a value]).
 """
 import contextlib
 import io
@@ -35,6 +39,22 @@ def started(*args, **kwargs):
     raise Started
 
 
+mode = {}
+_parse_args = common.Parser.parse_args
+
+
+def parse_args(self, *args, **kwargs):
+    """The scripts' parser; in the parse and describe modes the case ends here."""
+    parsed = _parse_args(self, *args, **kwargs)
+    if mode.get("describe"):
+        mode["flags"] = [[a.option_strings, a.default, a.nargs != 0] for a in self._actions
+                         if a.option_strings and a.dest != "help"]
+    if mode.get("parse") or mode.get("describe"):
+        raise Started
+    return parsed
+
+
+common.Parser.parse_args = parse_args
 common.load_mnist = started       # every training script reads its data before the first step
 mp.spawn = started                # spawn_ddp.py starts its workers
 subprocess.run = started          # bench.py runs the scripts
@@ -47,6 +67,8 @@ for line in sys.stdin:
     sys.argv = [script, *case["argv"]]
     out, err = io.StringIO(), io.StringIO()
     result = {"argv": case["argv"], "code": 0, "started": False}
+    mode.clear()
+    mode[case.get("mode", "run")] = True
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             runpy.run_path(script, run_name="__main__")
@@ -61,5 +83,5 @@ for line in sys.stdin:
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(env)
-    result.update(stdout=out.getvalue(), stderr=err.getvalue())
+    result.update(stdout=out.getvalue(), stderr=err.getvalue(), flags=mode.get("flags"))
     print(json.dumps(result), flush=True)

@@ -259,6 +259,7 @@ def check_previous_snapshot_kept(r, ckpt, reason):
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["c.pt"]  # the .tmp file is gone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,extra", [("spawn_ddp.py", ["--nproc-per-node", 2, "--timeout", 30]),
                                           ("dp_baseline.py", [])])
 def test_full_disk_keeps_the_previous_snapshot(tiny_mnist, small_disk, script, extra):
@@ -268,6 +269,7 @@ def test_full_disk_keeps_the_previous_snapshot(tiny_mnist, small_disk, script, e
     check_previous_snapshot_kept(r, ckpt, "No space left on device")
 
 
+@pytest.mark.slow
 def test_disk_turning_read_only_keeps_the_previous_snapshot(tiny_mnist, small_disk):
     """Write permission lost mid-run (here: the filesystem remounted read-only after the first
     snapshot); every process stops, none hangs."""

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import ROOT, assert_same_training_state, load, run_script, script_env, wait_for
 
+pytestmark = pytest.mark.slow
+
 ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 100)
 # 19 steps per epoch; snapshots at steps 6, 12, 18
 

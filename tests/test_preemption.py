@@ -15,6 +15,8 @@ import pytest
 
 from conftest import ROOT, assert_same_training_state, load, read_metrics, run_script, script_env
 
+pytestmark = pytest.mark.slow
+
 PREEMPTED = 143
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 ARGS = ("--batch-size", 32, "--epochs", 2, "--log-interval", 1)  # 19 steps per epoch

@@ -24,6 +24,8 @@ from conftest import N_TEST, ROOT, assert_same_training_state, load, load_on_cpu
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 
+pytestmark = pytest.mark.slow  # installing apex takes 15-30 s
+
 SCRIPT = "apex_ddp.py"
 STANDIN = ROOT / "tests" / "standin"
 

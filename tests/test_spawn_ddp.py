@@ -152,6 +152,7 @@ def test_channels_last_trains_and_saves_a_plain_checkpoint(tiny_mnist, tmp_path)
     assert read_metrics(tmp_path / "eval.jsonl")[0]["correct"] == trained["correct"]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(tiny_mnist, tmp_path):
     """Two launchers, one per "node", each starting one process, meet through node 0."""
     port = free_port()  # node 0 binds it
@@ -300,6 +301,7 @@ def test_tensorboard_writes_events(tiny_mnist, tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("MNIST_DIR"), reason="set MNIST_DIR to the real MNIST")
 def test_defaults_reach_99_percent_on_real_mnist(tmp_path):
     run_script(SCRIPT, "--data-dir", os.environ["MNIST_DIR"], "--metrics", tmp_path / "m.jsonl",

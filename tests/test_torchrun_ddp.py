@@ -122,6 +122,7 @@ def workers_of(agent_pid):
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["rank 1", "rank 0 while writing"])
 def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, uninterrupted,
                                                         victim):
@@ -229,6 +230,7 @@ def check_two_node_run(tmp_path, rcs, outs, each_node):
         assert_same_training_state(load(saved[0]), load(saved[1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("each_node", [False, True], ids=["one-writer", "save-on-each-node"])
 def test_two_nodes_through_c10d_on_loopback(tiny_mnist, tmp_path, each_node):
     rcs, outs = start_nodes(tmp_path, tiny_mnist,
@@ -270,6 +272,7 @@ def two_namespaces():
             ip("netns", "del", name)  # deletes the veth ends inside it too
 
 
+@pytest.mark.slow
 def test_two_nodes_in_network_namespaces(tiny_mnist, tmp_path, two_namespaces):
     """Closer to two real hosts: each node has its own network stack and address."""
     rcs, outs = start_nodes(tmp_path, tiny_mnist, [*NODE_ARGS, "--save-on-each-node"],
@@ -277,6 +280,7 @@ def test_two_nodes_in_network_namespaces(tiny_mnist, tmp_path, two_namespaces):
     check_two_node_run(tmp_path, rcs, outs, each_node=True)
 
 
+@pytest.mark.slow
 def test_lone_node_fails_within_the_rendezvous_timeout(tiny_mnist, tmp_path):
     start = time.monotonic()
     rcs, outs = start_nodes(tmp_path, tiny_mnist, NODE_ARGS, nodes=2, started=1,
