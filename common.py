@@ -36,6 +36,11 @@ REFERENCE_BATCH = 256  # --lr is the learning rate at this global batch
 LR_RULES = {"sqrt": "square-root rule, for Adam", "linear": "linear rule, for SGD",
             "none": "not scaled"}
 PREEMPTED = 143  # exit code after a SIGTERM: 128 + 15, what shells report for "terminated"
+BETAS = (0.7, 0.9)  # Adam's
+# Adam's second-moment estimate averages over about 1 / (1 - beta2) steps and is unreliable
+# before that: warm up over at least 2 / (1 - beta2) steps (Ma & Yarats 2019, "On the
+# adequacy of untuned warmup for adaptive optimization"), however few steps an epoch has.
+MIN_WARMUP_STEPS = round(2 / (1 - BETAS[1]))  # 20
 
 
 class Fatal(Exception):
@@ -98,8 +103,8 @@ def build_parser(description, processes=True):
       f"{REFERENCE_BATCH}, scaled to --batch-size by --lr-scaling (default: 0.01)")
     a("--lr-scaling", choices=list(LR_RULES), default="sqrt", help="how the LR follows the "
       "global batch: sqrt (Adam, used here), linear (SGD), none (--lr as given) (default: sqrt)")
-    a("--warmup-epochs", type=natural_float, default=0.2, help="linear LR warmup, in epochs "
-      "(default: 0.2)")
+    a("--warmup-epochs", type=natural_float, default=0.2, help="linear LR warmup, in epochs, "
+      f"at least {MIN_WARMUP_STEPS} steps (default: 0.2)")
     a("--seed", type=ranged(int, lambda v: 0 <= v < 2 ** 63, "an integer 0 to 2**63-1"),
       default=0, help="seed for weights and shuffling (default: 0)")
     a("--amp", choices=list(AMP_DTYPES), default="none", help="mixed precision: torch.autocast "
@@ -107,7 +112,8 @@ def build_parser(description, processes=True):
     a("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm (CUDA only)")
     a("--channels-last", action="store_true", help="keep conv weights in channels_last (NHWC) "
       "memory format: faster convolutions on CPU here, see README")
-    a("--checkpoint", metavar="PATH", help="written after every epoch by one process")
+    a("--checkpoint", metavar="PATH", help="written by one process after every epoch, and "
+      "where a SIGTERM stops the run")
     a("--save-every", type=natural_int, default=0, metavar="STEPS", help="also write "
       "--checkpoint every this many steps inside an epoch; a resume continues from that step "
       "(default: 0, off)")
@@ -229,28 +235,31 @@ def cpu_count():
 def threads_per_process(local_world_size):
     """CPU ranks on one machine share its cores; left alone each takes all of them."""
     if "OMP_NUM_THREADS" in os.environ:
-        return int(os.environ["OMP_NUM_THREADS"])
+        try:
+            return positive_int(os.environ["OMP_NUM_THREADS"])
+        except argparse.ArgumentTypeError as e:
+            raise Fatal(f"OMP_NUM_THREADS: {e}") from None
     return max(1, cpu_count() // local_world_size)
 
 
 def cpu_features():
     """The CPU features that decide the precision worth using, as PyTorch detects them
-    (torch.cpu.get_capabilities, public since torch 2.9; {} on older torch)."""
+    (torch.cpu.get_capabilities, public in torch 2.14; {} on a torch without it)."""
     get = getattr(torch.cpu, "get_capabilities", None)
     return dict(get()) if get else {}
 
 
 def fast_bf16_cpu():
     """Whether this CPU has bfloat16 arithmetic: AVX512_BF16 or AMX on x86, BF16 on ARM. Without
-    it, oneDNN emulates bf16 and autocast is 3-7x slower than fp32 (README, Speed). Unknown
-    (older torch): assume it has, and keep what the user asked for."""
+    it, oneDNN emulates bf16 and autocast is slower than fp32 (README, Mixed precision). Unknown
+    (a torch without get_capabilities): assume it has, and keep what the user asked for."""
     caps = cpu_features()
     return not caps or any(caps.get(k) for k in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"))
 
 
 def amp_on_cpu_reason(amp):
     if amp == "fp16":
-        return "CPUs have no fast float16 arithmetic"
+        return "float16 autocast on a CPU ran many times slower than fp32 (README, Mixed precision)"
     return "it has no bfloat16 instructions (AVX512_BF16, AMX or ARM BF16), so bf16 is emulated"
 
 
@@ -446,8 +455,9 @@ def seed_everything(seed):
 def peak_lr(args):
     """--lr is the LR at a global batch of 256; a batch k times larger gets sqrt(k) times the LR
     with Adam (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient
-    Algorithms"), or k times with SGD (Goyal et al. 2017, the linear rule). The linear rule with
-    Adam diverged here at batch 4096 (README, "Global batch, per-process batch, and the LR")."""
+    Algorithms"), or k times with SGD (Goyal et al. 2017, the linear rule). With Adam and a 3-step
+    warmup the linear rule diverged here at batch 4096 (README, "Global batch, per-process
+    batch, and the LR")."""
     k = args.batch_size / REFERENCE_BATCH
     return args.lr * {"sqrt": math.sqrt(k), "linear": k, "none": 1.0}[args.lr_scaling]
 
@@ -455,13 +465,6 @@ def peak_lr(args):
 def describe_lr(args):
     return (f"LR {args.lr:g} at batch {REFERENCE_BATCH} -> {peak_lr(args):.4g} at "
             f"{args.batch_size} ({LR_RULES[args.lr_scaling]})")
-
-
-BETAS = (0.7, 0.9)
-# Adam's second-moment estimate averages over about 1 / (1 - beta2) steps and is unreliable
-# before that: warm up over at least 2 / (1 - beta2) steps (Ma & Yarats 2019, "On the
-# adequacy of untuned warmup for adaptive optimization"), however few steps an epoch has.
-MIN_WARMUP_STEPS = round(2 / (1 - BETAS[1]))  # 20
 
 
 def make_optimizer(model, args):

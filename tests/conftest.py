@@ -143,6 +143,25 @@ def assert_same_training_state(a, b):
     assert a["scheduler"] == b["scheduler"]
 
 
+def workers_of(agent_pid):
+    """{rank: pid} of the training processes that torchrun's agent started (its children)."""
+    found = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            env = dict(kv.split("=", 1) for kv in
+                       (d / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if "RANK" in env:
+            found[int(env["RANK"])] = int(d.name)
+    return found
+
+
 def wait_for(condition, timeout, what):
     deadline = time.monotonic() + timeout
     while not condition():

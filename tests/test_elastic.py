@@ -29,8 +29,7 @@ import pytest
 import torch
 
 from conftest import ROOT, assert_no_deprecation_warnings, assert_same_training_state, \
-    free_port, load, read_metrics, run_script, script_env, wait_for
-from test_torchrun_ddp import workers_of
+    free_port, load, read_metrics, run_script, script_env, wait_for, workers_of
 
 pytestmark = pytest.mark.elastic
 

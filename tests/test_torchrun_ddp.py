@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import N_TEST, ROOT, assert_no_deprecation_warnings, assert_same_training_state, \
-    free_port, load, read_metrics, read_records, run_mains, run_script, script_env, wait_for
+    free_port, load, read_metrics, read_records, run_mains, run_script, script_env, wait_for, \
+    workers_of
 
 SCRIPT = "torchrun_ddp.py"
 TORCHRUN = ("-m", "torch.distributed.run")  # the `torchrun` command, from this interpreter
@@ -101,25 +102,6 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
     run_script(SCRIPT, "--data-dir", tiny_mnist, *KILL_ARGS, "--checkpoint", d / "snap.pt",
                launcher=standalone(2), record=d)
     return d
-
-
-def workers_of(agent_pid):
-    """{rank: pid} of the training processes that torchrun's agent started (its children)."""
-    found = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != agent_pid:
-                continue
-            env = dict(kv.split("=", 1) for kv in
-                       (d / "environ").read_bytes().decode(errors="replace").split("\0") if "=" in kv)
-        except (OSError, ValueError, IndexError):
-            continue
-        if "RANK" in env:
-            found[int(env["RANK"])] = int(d.name)
-    return found
 
 
 @pytest.mark.slow
