@@ -231,10 +231,12 @@ def test_preempted_job_requeues_itself(slurm_cluster, tiny_mnist, tmp_path, neve
 
 def test_failing_job_is_not_requeued(slurm_cluster, tiny_mnist, tmp_path):
     """A job that fails for its own reasons (here a global batch that the world size does not
-    divide) ends FAILED with the training's exit code, and is not requeued."""
+    divide) ends FAILED and is not requeued. Its exit code is 2 (the launcher's), or 143 when
+    srun has stopped the other node's launcher first (--kill-on-bad-exit)."""
     job = slurm_cluster.sbatch(BATCH["spawn"], "--data-dir", str(tiny_mnist), "--batch-size", "33",
                                env=stop_env(tmp_path / "c.pt"), cwd=tmp_path)
     info = slurm_cluster.wait(job, timeout=JOB_TIMEOUT)
     out = (tmp_path / f"mnist-spawn-{job}.out").read_text()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "2:0", "0"), out
+    assert (info["JobState"], info["Restarts"]) == ("FAILED", "0"), out
+    assert info["ExitCode"] in ("2:0", "143:0"), info["ExitCode"]
     assert "must divide by the world size 2" in out and "requeued" not in out, out
