@@ -20,6 +20,13 @@ The test cluster declares 16 CPUs and 4 GPUs per node (a count only, no devices:
 `SlurmdParameters=config_overrides`), so that the batch files' requests are accepted
 unchanged; the jobs' processes see the machine's real CPUs and no GPU.
 
+Time limits and preemption: a requeued job may start again only after the credential
+lifetime (BeginTime = the end of the run + cred_expire + 1 s; 120 s by default), and
+pending jobs are looked at every sched_interval (60 s by default): the test cluster sets 5 s
+and 1 s, so that a requeued job starts about 6 s after it stopped. Jobs run in the partition
+"debug"; a job in "urgent" (higher PriorityTier) preempts them: SLURM sends SIGTERM to their
+steps and gives them GraceTime (60 s) before it requeues them itself (PreemptMode=REQUEUE).
+
 Facts this relies on, found on Debian 12 with slurm-wlm 22.05.8 and munge 0.5.15:
   - slurmd is started with `nsenter --net` + `unshare --uts --mount`, not `ip netns exec`:
     that one remounts /sys and slurmd then fails to initialise its cgroup plugin, even with
@@ -46,6 +53,7 @@ SUBNET = "10.214.0"
 CTL, NODES = "ctl", ("node0", "node1")
 ADDR = {CTL: f"{SUBNET}.1", "node0": f"{SUBNET}.11", "node1": f"{SUBNET}.12"}
 CPUS, GPUS = 16, 4  # what each test node declares (see the module docstring)
+PARTITIONS = ("debug", "urgent")  # jobs run in debug; a job in urgent preempts them
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 PROGRAMS = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel", "munged", "ip",
@@ -58,7 +66,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={d}/munge/munge.socket.2
+AuthInfo=socket={d}/munge/munge.socket.2,cred_expire=5
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/run/slurmctld.pid
@@ -80,9 +88,13 @@ ReturnToService=2
 MinJobAge=3600
 KillWait=5
 SlurmdTimeout=30
+SchedulerParameters=sched_interval=1
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName=node0 NodeAddr={node0} CPUs={cpus} Gres=gpu:{gpus} State=UNKNOWN
 NodeName=node1 NodeAddr={node1} CPUs={cpus} Gres=gpu:{gpus} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 
 
@@ -266,10 +278,11 @@ class Cluster:
         (job steps), delete the namespaces (and with them the bridge and veths)."""
         ctld = self.daemons.get("slurmctld")
         if ctld is not None and ctld.poll() is None:
-            try:
-                self.client("scancel", "--full", "--partition=debug", timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+            for partition in PARTITIONS:
+                try:
+                    self.client("scancel", "--full", f"--partition={partition}", timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:
                 try:

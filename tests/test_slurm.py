@@ -7,9 +7,15 @@ test node has 2 cores), the checkpoint path; and training flags after the file n
 #SBATCH lines (2 nodes, 4 GPUs, 16 cores per node) are submitted unchanged: the test cluster
 declares that much, and the processes find no GPU and train on CPU with gloo.
 
-A job's end state is read with `scontrol show job` (JobState and ExitCode; the cluster keeps
-finished jobs for an hour, MinJobAge=3600): there is no slurmdbd, so no sacct.
+A job's end state is read with `scontrol show job` (JobState, ExitCode and Restarts; the
+cluster keeps finished jobs for an hour, MinJobAge=3600): there is no slurmdbd, so no sacct.
+
+Time limit and preemption: the tests deliver SLURM's warning the way SLURM does for
+`#SBATCH --signal=B:USR1@120` (to the batch shell only: `scancel --signal=USR1 --batch`), and
+preempt a job with a job of a higher partition, and check that the job stops with a
+snapshot, requeues itself and ends exactly where a job never interrupted ends.
 """
+import re
 import shutil
 import sys
 import time
@@ -18,7 +24,7 @@ import pytest
 
 from conftest import N_TEST, N_TRAIN, ROOT, assert_same_training_state, load, read_metrics, \
     read_records, script_env
-from slurm_cluster import NODES, slurm_cluster  # noqa: F401  (the fixture)
+from slurm_cluster import NODES, TERMINAL, slurm_cluster  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.slurm
 
@@ -37,6 +43,7 @@ def submit_and_wait(cluster, launcher, jobdir, env, args):
     out = (jobdir / f"mnist-{launcher}-{job}.out").read_text()
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), \
         f"job {job}: {info['JobState']} {info['ExitCode']}\n{out}{cluster.logs()}"
+    assert info["Restarts"] == "0", out  # a job that ends normally does not requeue itself
     return out
 
 
@@ -113,3 +120,123 @@ def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, launcher):
     copies = [load(cluster.disks[n] / name / "c.pt") for n in NODES]
     for copy in copies:
         assert_same_training_state(load(shared), copy)  # == (2): same training, either way
+
+
+# ---- Time limit and preemption ----------------------------------------------------------------
+# Two epochs of 10 steps, each step slowed down so that the signal lands in the middle of epoch 1
+# (the flags do not change what is trained: the reference below runs without the delay).
+STOP_TRAIN = ("--batch-size", 64, "--epochs", 2, "--log-interval", 1, "--timeout", 30)
+STEP_DELAY = 0.2
+PREEMPTED = re.compile(r"preempted: stopped on SIGTERM after step (\d+) of epoch (\d+); "
+                       r"snapshot in (\S+): ")
+
+
+def stop_env(ckpt, **extra):
+    return script_env(REPO=ROOT, PYTHON=sys.executable, NPROC_PER_NODE=1, OMP_NUM_THREADS=1,
+                      CHECKPOINT=ckpt, SAVE_EVERY=4, **extra)
+
+
+@pytest.fixture(scope="module")
+def never_interrupted(slurm_cluster, tiny_mnist, tmp_path_factory):
+    """The final checkpoint of a job that nothing interrupts (the torchrun file, the same
+    training flags): every stopped and requeued job must end with it, bit for bit. The two
+    files train identically, so it serves both."""
+    jobdir = tmp_path_factory.mktemp("never-interrupted")
+    start = time.monotonic()
+    submit_and_wait(slurm_cluster, "torchrun", jobdir, stop_env(jobdir / "c.pt"),
+                    ["--data-dir", tiny_mnist, *STOP_TRAIN])
+    print(f"never interrupted: {time.monotonic() - start:.1f}s")
+    return load(jobdir / "c.pt")
+
+
+def submit_until_step(cluster, launcher, jobdir, env, args, step=3):
+    """Submit; return the job id and its output file once global rank 0 has logged `step`
+    steps of epoch 1."""
+    job = cluster.sbatch(BATCH[launcher], *map(str, args), env=env, cwd=jobdir)
+    out = jobdir / f"mnist-{launcher}-{job}.out"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (out.exists() and f"epoch 1/2 step {step}/" in out.read_text()):
+        info = cluster.job(job)
+        if info["JobState"] in TERMINAL or time.monotonic() > deadline:
+            cluster.client("scancel", job)
+            pytest.fail(f"job {job}: {info['JobState']} before step {step}\n"
+                        f"{out.read_text() if out.exists() else ''}{cluster.logs()}")
+        time.sleep(0.1)
+    return job, out
+
+
+def check_stopped_and_requeued(cluster, job, out, ckpt, jobdir, reference):
+    """One job id, two runs: the first stopped mid-epoch with a snapshot and requeued itself,
+    the second continued from that snapshot and ended where `reference` ends."""
+    info = cluster.wait(job, timeout=JOB_TIMEOUT)
+    text = out.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        f"job {job}: {info['JobState']} {info['ExitCode']} Restarts={info['Restarts']}\n" \
+        f"{text}{cluster.logs()}"
+    assert text.count(f"job {job}: 2 node(s) x 1 process(es)") == 2, text  # the script ran twice
+    lines = [ln for ln in text.splitlines() if "preempted:" in ln]
+    assert len(lines) == 1, text  # global rank 0 says it, once
+    step, epoch, path = PREEMPTED.search(lines[0]).groups()
+    assert path == str(ckpt) and int(step) > 0, lines[0]  # stopped in the middle of an epoch
+    assert f"job {job}: stopped early by SLURM; requeued to continue from {ckpt}" in text, text
+    assert f"loaded {ckpt}: {int(epoch) - 1} epoch(s) + {step} step(s) trained" in text, text
+    assert [r["epoch"] for r in read_metrics(jobdir / "m.jsonl")] == [1, 2]
+    assert_same_training_state(reference, load(ckpt))
+    return text
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_time_limit_warning_stops_requeues_and_resumes(slurm_cluster, tiny_mnist, tmp_path,
+                                                       never_interrupted, launcher):
+    """SLURM's warning before the time limit (`#SBATCH --signal=B:USR1@120`), delivered as
+    SLURM delivers it, to the batch shell only: the script passes SIGTERM to the training,
+    which saves a snapshot where all processes stop; the script requeues the job; SLURM starts
+    the same job id again (the test cluster's BeginTime delay is 6 s), which resumes from the
+    snapshot and ends COMPLETED, bit-identical to a job never interrupted."""
+    cluster, ckpt = slurm_cluster, tmp_path / "c.pt"
+    start = time.monotonic()
+    job, out = submit_until_step(cluster, launcher, tmp_path,
+                                 stop_env(ckpt, DDP_TEST_STEP_DELAY=STEP_DELAY),
+                                 ["--data-dir", tiny_mnist, *STOP_TRAIN, "--metrics", "m.jsonl"])
+    r = cluster.client("scancel", "--signal=USR1", "--batch", job)
+    assert r.returncode == 0, r.stderr
+    text = check_stopped_and_requeued(cluster, job, out, ckpt, tmp_path, never_interrupted)
+    assert f"job {job}: warning from SLURM (USR1): stopping the training" in text
+    print(f"{launcher} warned and requeued: {time.monotonic() - start:.1f}s")
+
+
+def test_preempted_job_requeues_itself(slurm_cluster, tiny_mnist, tmp_path, never_interrupted):
+    """A job of the partition `urgent` preempts a running job of `debug` (PreemptMode=REQUEUE,
+    GraceTime=60, no preempt_send_user_signal): SLURM sends SIGTERM to the job's steps only,
+    not to the batch shell. The training stops with a snapshot, and the batch script, seeing a
+    PreemptTime in the job's record, requeues the job. (SLURM itself would not: a job whose
+    batch script ends within the grace time ends FAILED.) The urgent job runs, then ours
+    continues from the snapshot."""
+    cluster, ckpt = slurm_cluster, tmp_path / "c.pt"
+    start = time.monotonic()
+    job, out = submit_until_step(cluster, "torchrun", tmp_path,
+                                 stop_env(ckpt, DDP_TEST_STEP_DELAY=STEP_DELAY),
+                                 ["--data-dir", tiny_mnist, *STOP_TRAIN, "--metrics", "m.jsonl"])
+    r = cluster.client("sbatch", "--parsable", "--partition=urgent", "--nodes=2", "--exclusive",
+                       f"--output={tmp_path}/urgent-%j.out", "--wrap", "true", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    urgent = r.stdout.strip().split(";")[0]
+    text = check_stopped_and_requeued(cluster, job, out, ckpt, tmp_path, never_interrupted)
+    assert "warning from SLURM" not in text  # the preemption, not the warning
+    urgent_info = cluster.wait(urgent, timeout=JOB_TIMEOUT)
+    assert urgent_info["JobState"] == "COMPLETED"
+    assert urgent_info["StartTime"] <= cluster.job(job)["StartTime"]  # it ran in between
+    print(f"preempted and requeued: {time.monotonic() - start:.1f}s")
+
+
+def test_failing_job_is_not_requeued(slurm_cluster, tiny_mnist, tmp_path):
+    """A job that fails for its own reasons (here a global batch that the world size does not
+    divide) ends FAILED and is not requeued. Its exit code is 2 (the launcher's), or 143 when
+    srun has stopped the other node's launcher first (--kill-on-bad-exit)."""
+    job = slurm_cluster.sbatch(BATCH["spawn"], "--data-dir", str(tiny_mnist), "--batch-size", "33",
+                               env=stop_env(tmp_path / "c.pt"), cwd=tmp_path)
+    info = slurm_cluster.wait(job, timeout=JOB_TIMEOUT)
+    out = (tmp_path / f"mnist-spawn-{job}.out").read_text()
+    assert (info["JobState"], info["Restarts"]) == ("FAILED", "0"), out
+    assert info["ExitCode"] in ("2:0", "143:0"), info["ExitCode"]
+    assert "must divide by the world size 2" in out and "requeued" not in out, out
