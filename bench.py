@@ -163,7 +163,8 @@ def main():
     for rep in range(args.reps):
         for s, v, n in configs:
             cl, batch, rule, env, amp = variants[v]
-            print(f"rep {rep + 1}/{args.reps}: {s} {v} x{n}", file=sys.stderr, flush=True)
+            print(f"rep {rep + 1}/{args.reps}: {f'{s} {v}'.strip()} x{n}", file=sys.stderr,
+                  flush=True)
             cmd = command(s, n, amp) + ["--channels-last"] * cl
             results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, batch, rule, env))
 

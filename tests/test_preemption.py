@@ -52,12 +52,12 @@ def uninterrupted(tiny_mnist, tmp_path_factory):
     return get
 
 
-def start_and_signal(cmd, who, after_step=5):
+def start_and_signal(cmd, who, after_step=5, **env):
     """Start the job in its own process group; once rank 0 logged `after_step` steps, send
     SIGTERM to the whole group (`job`) or to the launcher only (`launcher`)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True,
-                            env=script_env(DDP_TEST_STEP_DELAY=0.1, block="apex"))
+                            env=script_env(DDP_TEST_STEP_DELAY=0.1, block="apex", **env))
     try:
         out = []
         for line in proc.stdout:  # progress lines: "epoch 1/2 step 5/19 ..."
@@ -111,3 +111,13 @@ def test_sigterm_without_checkpoint_stops_cleanly(tiny_mnist):
     assert r.returncode == PREEMPTED, r.stderr
     assert "nothing saved (no --checkpoint)" in r.stderr
     assert 'File "' + str(ROOT) not in r.stderr
+
+
+def test_the_switch_bench_uses_turns_the_check_off(tiny_mnist):
+    """Control for docs/speed.md's cost measurement: with DDP_TEST_NO_STOP the same SIGTERM
+    changes nothing, the run trains to its end (so the comparison has a real "without")."""
+    cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist), *map(str, ARGS),
+           "--nproc-per-node", "2", "--timeout", "30"]
+    r = start_and_signal(cmd, "job", DDP_TEST_NO_STOP=1)
+    assert r.returncode == 0 and "preempted" not in r.stderr, r.stderr
+    assert "epoch 2 train_loss" in r.stdout

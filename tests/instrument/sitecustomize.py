@@ -16,6 +16,9 @@ changes none of their results:
                         each call), so a test decides what CPU the scripts believe they run on
   DDP_TEST_NOT_LINUX=1  a stand-in for macOS and Windows: os.sched_getaffinity and
                         os.sched_setaffinity are gone and /proc cannot be read
+  DDP_TEST_NO_STOP=1    common.StopSignal never stops the run and starts no all-reduce: the
+                        scripts without their per-step SIGTERM check, so that bench.py can
+                        measure what the check costs (--with-env, see docs/speed.md)
 With DDP_TEST_RECORD, every optimizer step also records the learning rate it used.
 """
 import atexit
@@ -74,6 +77,27 @@ if os.environ.get("DDP_TEST_NOT_LINUX"):
             raise FileNotFoundError(2, "No such file or directory (no /proc here)", file)
         return _open(file, *args, **kwargs)
     builtins.open = _open_without_proc
+
+if os.environ.get("DDP_TEST_NO_STOP"):
+    import importlib.abc
+    import importlib.util
+
+    class _WithoutStopCheck(importlib.abc.MetaPathFinder):
+        """Patches common.StopSignal once the script imports common (not on the path yet)."""
+
+        def find_spec(self, name, path, target=None):
+            if name != "common":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                module.StopSignal.__call__ = lambda self: False
+            spec.loader.exec_module = exec_module
+            return spec
+    sys.meta_path.insert(0, _WithoutStopCheck())
 
 RECORD = os.environ.get("DDP_TEST_RECORD")
 if RECORD:

@@ -1,0 +1,192 @@
+"""The README stays true without a person re-auditing it: its flags table matches every parser
+(names, defaults, which scripts), every test name, file and link it cites exists, and every
+command in its code blocks (and in docs/*.md) parses with the real parser of the program it
+runs. The scripts' parsers are read through tests/run_mains.py (describe and parse modes), so a
+command is checked without running anything."""
+import functools
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_mains
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SCRIPTS = ("dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py")
+WHO = {"all": SCRIPTS, "DDP": SCRIPTS[1:], "spawn": ("spawn_ddp.py",), "dp": ("dp_baseline.py",),
+       "torchrun": ("torchrun_ddp.py",), "apex": ("apex_ddp.py",)}
+SBATCH = {"slurm/torchrun_ddp.sbatch": "torchrun_ddp.py", "slurm/spawn_ddp.sbatch": "spawn_ddp.py"}
+
+
+def readme():
+    return (ROOT / "README.md").read_text()
+
+
+def flags_table():
+    """{flag: (default cell, scripts)} from the README's "### Flags" table."""
+    section = readme().split("### Flags", 1)[1].split("\n#", 1)[0]
+    table = {}
+    for line in section.splitlines():
+        if not line.startswith("| `--"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        scripts = {s for who in cells[2].split(",") for s in WHO[who.strip()]}
+        for flag in re.findall(r"`(--[\w-]+)", cells[0]):
+            table[flag] = (cells[1].strip("`"), scripts)
+    return table
+
+
+def test_flags_table_matches_every_parser():
+    table = flags_table()
+    seen = set()
+    for script in SCRIPTS:
+        [r] = run_mains(script, [{"argv": [], "mode": "describe"}])
+        for options, default, takes_value in r["flags"]:
+            for flag in options:
+                assert flag in table, f"{script} {flag} is not in the README's flags table"
+                cell, scripts = table[flag]
+                assert script in scripts, f"README: {flag} not marked for {script}"
+                expected = ("-" if default is None else str(default)) if takes_value else "off"
+                assert cell == expected, f"README: {flag} default {cell!r}, {script}: {expected!r}"
+                seen.add((flag, script))
+    for flag, (_, scripts) in table.items():
+        for script in scripts:
+            assert (flag, script) in seen, f"README lists {flag} for {script}, which has no such flag"
+
+
+def test_every_cited_test_exists():
+    defined = set()
+    for f in (ROOT / "tests").glob("test_*.py"):
+        defined |= set(re.findall(r"^def (test_\w+)", f.read_text(), re.M))
+    for page in PAGES:
+        for name in set(re.findall(r"`(test_\w+)`", page.read_text())) - {"test_acc"}:  # a metric
+            assert name in defined, f"{page.name} cites {name}, which no test file defines"
+
+
+def github_anchor(heading):
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_cited_path_and_link_exists():
+    for page in PAGES:
+        text = page.read_text()
+        anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            if target.startswith("#"):
+                assert target[1:] in anchors, f"{page.name}: no heading for the link {target}"
+            else:
+                path, _, anchor = target.partition("#")
+                assert (page.parent / path).exists(), f"{page.name}: link to missing {path}"
+                if anchor:
+                    theirs = (page.parent / path).read_text()
+                    assert anchor in {github_anchor(h) for h in re.findall(r"^#+ (.+)$", theirs, re.M)}, \
+                        f"{page.name}: no heading for the link {target}"
+        for path in re.findall(r"`((?:tests|docs|slurm|\.ci)/[\w./-]*|[\w-]+\.(?:py|md|sbatch|txt))`", text):
+            if path in {"main.py"}:  # other projects' file names, quoted
+                continue
+            assert (ROOT / path).exists(), f"{page.name} cites {path}, which does not exist"
+
+
+def test_no_figure_left_to_fill_in():
+    for page in PAGES:
+        assert "{{" not in page.read_text(), f"{page.name} has a placeholder left"
+
+
+def commands(text):
+    """The commands of every ```bash block: continuation lines joined, comments dropped,
+    leading VAR=value assignments removed."""
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+                words = words[1:]
+            if words:
+                yield words
+
+
+def pytest_generate_tests(metafunc):
+    if "command" in metafunc.fixturenames:
+        cmds = [(page.name, words) for page in PAGES for words in commands(page.read_text())]
+        metafunc.parametrize("command", cmds, ids=[f"{p}: {' '.join(w)[:70]}" for p, w in cmds])
+
+
+def markers():
+    ini = (ROOT / "pytest.ini").read_text()
+    return set(re.findall(r"^\s+(\w+):", ini, re.M))
+
+
+def test_readme_command_parses(command):
+    """Each command runs the program it names with arguments that program accepts."""
+    page, words = command
+    prog = words[0]
+    if prog in ("cd", "git", "export"):
+        return
+    if prog == "pip":
+        if "-r" in words:
+            assert (ROOT / words[words.index("-r") + 1]).exists()
+        return
+    if prog == "sbatch":
+        assert words[1] in SBATCH, words
+        return check_script_args(SBATCH[words[1]], words[2:])
+    if prog == "torchrun":
+        return check_launcher("torch.distributed.run", words[1:])
+    assert prog == "python", f"{page}: a command the README test does not know: {words}"
+    if words[1] == "-c":
+        compile(words[2], "<readme>", "exec")
+    elif words[1:3] == ["-m", "pytest"]:
+        if "-m" in words[3:]:
+            expr = words[words.index("-m", 3) + 1]
+            for name in re.findall(r"\w+", expr):
+                assert name in markers() | {"not", "and", "or"}, f"unknown marker {name}"
+        for path in words[3:]:
+            if path.startswith("tests/"):
+                assert (ROOT / path.split("::")[0]).exists(), path
+    elif words[1:3] == ["-m", "torch.distributed.launch"]:
+        check_launcher("torch.distributed.launch", words[3:])
+    else:
+        check_script_args(words[1], words[2:])
+
+
+def check_launcher(module, words):
+    """torchrun's (or the old launcher's) own flags with its own parser, then the script's."""
+    import importlib
+    at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    try:
+        importlib.import_module(module).parse_args([*words[:at], "x.py"])
+    except SystemExit as e:
+        pytest.fail(f"{module} refuses {words[:at]} ({e})")
+    check_script_args(words[at], words[at + 1:])
+
+
+@functools.cache
+def parsed():
+    """Every script command of every page parsed at once, one torch start-up per script:
+    {(script, args): result}."""
+    wanted = {}
+    for page in PAGES:
+        for words in commands(page.read_text()):
+            at = next((i for i, w in enumerate(words) if w.endswith((".py", ".sbatch"))), None)
+            if at is not None:
+                script = SBATCH.get(words[at], words[at])
+                wanted.setdefault(script, set()).add(tuple(words[at + 1:]))
+    results = {}
+    for script, argvs in wanted.items():
+        if script in (*SCRIPTS, "bench.py"):
+            argvs = sorted(argvs)
+            for args, r in zip(argvs, run_mains(script, [{"argv": list(a), "mode": "parse"}
+                                                           for a in argvs])):
+                results[script, args] = r
+    return results
+
+
+def check_script_args(script, args):
+    assert script in (*SCRIPTS, "bench.py"), script
+    r = parsed()[script, tuple(args)]
+    if "--help" in args or "-h" in args:  # argparse prints the help and exits 0 before main runs
+        assert r["code"] == 0 and "usage:" in r["stdout"] and not r["stderr"], f"{script} {' '.join(args)}: {r['stderr']}"
+        return
+    assert r["started"] and r["code"] == 0, f"{script} {' '.join(args)}: {r['stderr']}"
