@@ -9,6 +9,7 @@ and apex.parallel) and CUDA is present, it runs the apex way. Otherwise, or with
 runs the same steps with torch.autocast, torch.amp.GradScaler, nn.SyncBatchNorm and
 torch.nn.parallel.DistributedDataParallel. It says at start which one it took, and why.
 """
+import contextlib
 import itertools
 import os
 from datetime import timedelta
@@ -197,21 +198,31 @@ def train(local_rank, nproc, args, use_apex, why):
                     common.save_checkpoint(state, args.checkpoint)
                 dist.barrier()  # nobody exits before the snapshot is complete
                 raise common.Preempted(args, epoch, step - 1, say=rank == 0)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
             optimizer.zero_grad()  # no set_to_none=: apex O2 patches it without arguments
             scale = loss_scale()
-            if use_apex:  # gradients are averaged over processes in here
-                with amp.scale_loss(loss, optimizer) as scaled_loss:
-                    scaled_loss.backward()
+            # --accumulate N: N micro-batches add their gradients, then one optimizer step.
+            for xk, yk, share, last in common.micro_batches(x, y, args.accumulate):
+                with (apex_sync_on if use_apex else common.sync_on)(last, model):
+                    with torch.autocast(device.type, dtype=amp_dtype,
+                                        enabled=amp_dtype is not None):
+                        loss = F.cross_entropy(model(xk), yk, label_smoothing=0.1)
+                    if use_apex:  # averaged over processes in here, on the last micro-batch.
+                        # delay_unscale: leave the earlier micro-batches' gradients in .grad
+                        # for that all-reduce; otherwise amp moves them aside before each
+                        # backward and adds them back after it, never all-reduced.
+                        with amp.scale_loss(loss * share, optimizer,
+                                            delay_unscale=not last) as scaled_loss:
+                            scaled_loss.backward()
+                    else:
+                        scaler.scale(loss * share).backward()  # averaged over processes here
+                loss_sum += loss.detach() * len(yk)
+            if use_apex:
                 optimizer.step()  # amp makes this a no-op after an overflow
             else:
-                scaler.scale(loss).backward()  # gradients are averaged over processes here
                 scaler.step(optimizer)
                 scaler.update()
             if loss_scale() >= scale:  # fp16 skips a step with inf/NaN gradients and
                 scheduler.step()       # lowers the scale: then keep the LR where it is
-            loss_sum += loss.detach() * len(y)
             seen += len(y)
             if step % args.log_interval == 0:  # a collective: every process reaches it together
                 mean_loss = common.reduce_tensor(loss_sum).item() / seen
@@ -243,6 +254,18 @@ def train(local_rank, nproc, args, use_apex, why):
     report.close()
     stop.close()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def apex_sync_on(last, model):
+    """common.sync_on for apex's DDP, which has no no_sync(): its all-reduce stays off, forward
+    and backward, for every micro-batch but the last."""
+    if not last:
+        model.disable_allreduce()
+    try:
+        yield
+    finally:
+        model.enable_allreduce()
 
 
 if __name__ == "__main__":

@@ -99,6 +99,9 @@ def build_parser(description, processes=True):
       "keeping the schedule of --epochs (continue later with --resume)")
     a("--batch-size", type=positive_int, default=256, help="GLOBAL batch over all processes; "
       "each takes batch-size / world-size (default: 256)")
+    a("--accumulate", type=positive_int, default=1, metavar="N", help="N forward and backward "
+      "passes (micro-batches) per optimizer step, the gradients all-reduced once per step; "
+      "--batch-size stays the global batch of one step (default: 1)")
     a("--lr", type=positive_float, default=0.01, help=f"peak learning rate at a global batch of "
       f"{REFERENCE_BATCH}, scaled to --batch-size by --lr-scaling (default: 0.01)")
     a("--lr-scaling", choices=list(LR_RULES), default="sqrt", help="how the LR follows the "
@@ -143,6 +146,9 @@ def check_args(args, world_size, cuda, say=True):
     if args.batch_size % world_size and not args.evaluate:
         raise Fatal(f"--batch-size {args.batch_size} is the global batch and must divide by the "
                     f"world size {world_size}")
+    if args.batch_size % (world_size * args.accumulate) and not args.evaluate:
+        raise Fatal(f"--batch-size {args.batch_size} is the global batch of one optimizer step and "
+                    f"must divide by world size x --accumulate = {world_size} x {args.accumulate}")
     if args.stop_after is not None and args.stop_after > args.epochs:
         raise Fatal(f"--stop-after {args.stop_after} is past --epochs {args.epochs}")
     if args.warmup_epochs >= args.epochs:
@@ -409,6 +415,23 @@ def batch_loader(dataset, sampler, batch_size):
     indexes every tensor with the list, so there is no per-item Python work or collation."""
     return TimedLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False),
                        batch_size=None)
+
+
+def micro_batches(x, y, n):
+    """One process's batch as n micro-batches for --accumulate: (x, y, share, last). Micro-batch
+    k takes every n-th sample from the k-th, which is exactly the batch that rank r + W*k of
+    W*n processes would get (DistributedSampler deals a global batch out to the ranks in turn).
+    Each micro-batch's loss is weighted by its share of the batch, so that the gradients add
+    up to the gradient of the mean loss over the whole batch."""
+    n = min(n, len(y))  # a last batch shorter than n gives no empty micro-batch
+    for k in range(n):
+        yield x[k::n], y[k::n], len(y[k::n]) / len(y), k == n - 1
+
+
+def sync_on(last, model):
+    """DDP all-reduces in the backward of every forward run outside no_sync(), so with
+    --accumulate only the last micro-batch runs outside it, its forward included."""
+    return contextlib.nullcontext() if last else model.no_sync()
 
 
 # ---------------------------------------------------------------------------------------------

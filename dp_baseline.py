@@ -97,16 +97,18 @@ def train(gpus, args):
                                                     epoch, step - 1, args)
                     common.save_checkpoint(state, args.checkpoint)
                 raise common.Preempted(args, epoch, step - 1, say=True)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
             scale = scaler.get_scale()
-            scaler.scale(loss).backward()  # gradients are summed onto the first GPU here
+            # --accumulate N: N micro-batches add their gradients, then one optimizer step.
+            for xk, yk, share, _ in common.micro_batches(x, y, args.accumulate):
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    loss = F.cross_entropy(model(xk), yk, label_smoothing=0.1)
+                scaler.scale(loss * share).backward()  # summed onto the first GPU here
+                loss_sum += loss.detach() * len(yk)
             scaler.step(optimizer)
             scaler.update()
             if scaler.get_scale() >= scale:  # fp16 skips a step with inf/NaN gradients and
                 scheduler.step()             # lowers the scale: then keep the LR where it is
-            loss_sum += loss.detach() * len(y)
             seen += len(y)
             if step % args.log_interval == 0:
                 mean_loss = loss_sum.item() / seen

@@ -149,16 +149,20 @@ def train(local_rank, nproc, args):
                     common.save_checkpoint(state, args.checkpoint)
                 dist.barrier()  # nobody exits before the snapshot is complete
                 raise common.Preempted(args, epoch, step - 1, say=rank == 0)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
             optimizer.zero_grad(set_to_none=True)
             scale = scaler.get_scale()
-            scaler.scale(loss).backward()  # gradients are averaged over processes here
+            # --accumulate N: N micro-batches add their gradients, then one optimizer step.
+            for xk, yk, share, last in common.micro_batches(x, y, args.accumulate):
+                with common.sync_on(last, model):  # no all-reduce before the last micro-batch
+                    with torch.autocast(device.type, dtype=amp_dtype,
+                                        enabled=amp_dtype is not None):
+                        loss = F.cross_entropy(model(xk), yk, label_smoothing=0.1)
+                    scaler.scale(loss * share).backward()  # averaged over processes here
+                loss_sum += loss.detach() * len(yk)
             scaler.step(optimizer)
             scaler.update()
             if scaler.get_scale() >= scale:  # fp16 skips a step with inf/NaN gradients and
                 scheduler.step()             # lowers the scale: then keep the LR where it is
-            loss_sum += loss.detach() * len(y)
             seen += len(y)
             if step % args.log_interval == 0:  # a collective: every process reaches it together
                 mean_loss = common.reduce_tensor(loss_sum).item() / seen

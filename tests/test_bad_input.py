@@ -68,6 +68,14 @@ def rows(tmp, data):
         (("spawn_ddp.py",), ["--batch-size", "255"], {}, "--batch-size 255"),  # 2 processes
         (("torchrun_ddp.py", "apex_ddp.py"), ["--batch-size", "255"], {"WORLD_SIZE": "2"},
          "--batch-size 255"),
+        (SCRIPTS, ["--accumulate", "0"], {}, "--accumulate"),
+        (SCRIPTS, ["--accumulate", "1.5"], {}, "--accumulate"),
+        (("dp_baseline.py",), ["--batch-size", "30", "--accumulate", "4"], {},
+         "world size x --accumulate = 1 x 4"),
+        (("spawn_ddp.py",), ["--batch-size", "36", "--accumulate", "4"], {},  # 2 processes
+         "world size x --accumulate = 2 x 4"),
+        (("torchrun_ddp.py", "apex_ddp.py"), ["--batch-size", "36", "--accumulate", "4"],
+         {"WORLD_SIZE": "2"}, "world size x --accumulate = 2 x 4"),
         (("spawn_ddp.py",), ["--nproc-per-node", "0"], {}, "--nproc-per-node"),
         (("spawn_ddp.py",), ["--nnodes", "0"], {}, "--nnodes"),
         (("spawn_ddp.py",), ["--node-rank", "-1"], {}, "--node-rank"),

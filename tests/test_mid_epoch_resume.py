@@ -18,7 +18,10 @@ ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 
 
 
 @pytest.mark.parametrize("script,procs", [("spawn_ddp.py", ["--nproc-per-node", 2, "--timeout", 30]),
-                                          ("dp_baseline.py", [])])
+                                          ("spawn_ddp.py", ["--nproc-per-node", 2, "--timeout", 30,
+                                                            "--accumulate", 2]),
+                                          ("dp_baseline.py", [])],
+                         ids=["spawn", "spawn-accumulate", "dp_baseline"])
 def test_killed_job_resumes_mid_epoch_bit_identical(tiny_mnist, tmp_path, script, procs):
     args = ["--data-dir", tiny_mnist, *ARGS, *procs]
     run_script(script, *args, "--checkpoint", tmp_path / "straight.pt")

@@ -58,16 +58,20 @@ def real_apex(tmp_path_factory):
 # Runs in a subprocess with one apex or the other first on PYTHONPATH. For each dotted name:
 # the parameters of the function (of __init__ for a class), as (name, kind, default).
 DESCRIBE = """
-import importlib, inspect, json, sys
+import importlib, importlib.util, inspect, json, sys
 import apex
 def params(obj):
     f = obj.__init__ if inspect.isclass(obj) else obj
     return [[p.name, p.kind.name, None if p.default is p.empty else repr(p.default)]
             for p in inspect.signature(f).parameters.values()]
 out = {"file": apex.__file__, "stand_in": getattr(apex, "STAND_IN", False), "signatures": {}}
-for dotted in sys.argv[1:]:
-    module, name = dotted.rsplit(".", 1)
-    out["signatures"][dotted] = params(getattr(importlib.import_module(module), name))
+for dotted in sys.argv[1:]:  # a function, a class, or a method: apex.parallel.Class.method
+    parts = dotted.split(".")
+    at = max(i for i in range(1, len(parts)) if importlib.util.find_spec(".".join(parts[:i])))
+    obj = importlib.import_module(".".join(parts[:at]))
+    for name in parts[at:]:
+        obj = getattr(obj, name)
+    out["signatures"][dotted] = params(obj)
 print(json.dumps(out))
 """
 
@@ -80,15 +84,18 @@ def describe_apex(path, names):
 
 
 def apex_names_the_script_uses():
-    """Every apex function apex_ddp.py calls, read from its source: `amp.X(...)` calls and the
-    names it imports from apex.parallel."""
+    """Every apex function apex_ddp.py calls, read from its source: `amp.X(...)` calls, the
+    names it imports from apex.parallel, and the DDP methods `X_allreduce()` it calls."""
     tree = ast.parse((ROOT / SCRIPT).read_text())
     amp = {f"apex.amp.{n.func.attr}" for n in ast.walk(tree)
            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
            and isinstance(n.func.value, ast.Name) and n.func.value.id == "amp"}
     parallel = {f"apex.parallel.{a.name}" for n in ast.walk(tree)
                 if isinstance(n, ast.ImportFrom) and n.module == "apex.parallel" for a in n.names}
-    return amp | parallel
+    ddp_methods = {f"apex.parallel.DistributedDataParallel.{n.func.attr}" for n in ast.walk(tree)
+                   if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                   and n.func.attr.endswith("_allreduce")}  # model.disable_allreduce() ...
+    return amp | parallel | ddp_methods
 
 
 def path_line(result):
@@ -103,6 +110,8 @@ def test_standin_has_real_apex_signatures(real_apex):
     names = sorted(apex_names_the_script_uses())
     assert names == ["apex.amp.initialize", "apex.amp.load_state_dict", "apex.amp.scale_loss",
                      "apex.amp.state_dict", "apex.parallel.DistributedDataParallel",
+                     "apex.parallel.DistributedDataParallel.disable_allreduce",
+                     "apex.parallel.DistributedDataParallel.enable_allreduce",
                      "apex.parallel.convert_syncbn_model"], \
         "apex_ddp.py calls other apex functions now: give the stand-in each, and list it here"
     real, standin = describe_apex(real_apex, names), describe_apex(STANDIN, names)

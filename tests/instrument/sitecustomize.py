@@ -19,6 +19,11 @@ changes none of their results:
   DDP_TEST_NO_STOP=1    common.StopSignal never stops the run and starts no all-reduce: the
                         scripts without their per-step SIGTERM check, so that bench.py can
                         measure what the check costs (--with-env, see docs/speed.md)
+  DDP_TEST_ALLREDUCE_LOG=DIR
+                        each process appends to DIR/allreduce-PID.jsonl one line for every
+                        gradient all-reduce DDP runs (one per bucket, through a communication
+                        hook that does what DDP's default does) and one for every optimizer
+                        step, in the order they happen
 With DDP_TEST_RECORD, every optimizer step also records the learning rate it used.
 """
 import atexit
@@ -98,6 +103,29 @@ if os.environ.get("DDP_TEST_NO_STOP"):
             spec.loader.exec_module = exec_module
             return spec
     sys.meta_path.insert(0, _WithoutStopCheck())
+
+if os.environ.get("DDP_TEST_ALLREDUCE_LOG"):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def _log_event(event):
+        path = os.path.join(os.environ["DDP_TEST_ALLREDUCE_LOG"], f"allreduce-{os.getpid()}.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps({"rank": dist.get_rank(), "event": event}) + "\n")
+
+    def _counting_hook(state, bucket):
+        _log_event("allreduce")
+        return allreduce_hook(None, bucket)  # DDP's default: average over the default group
+
+    _plain_ddp_init = DistributedDataParallel.__init__
+
+    def _counting_ddp_init(self, *args, **kwargs):
+        _plain_ddp_init(self, *args, **kwargs)
+        self.register_comm_hook(None, _counting_hook)
+    DistributedDataParallel.__init__ = _counting_ddp_init
+    register_optimizer_step_pre_hook(lambda *_: _log_event("step") if dist.is_initialized() else None)
 
 RECORD = os.environ.get("DDP_TEST_RECORD")
 if RECORD:

@@ -7,7 +7,8 @@ import torch
 
 from apex import _log
 
-_state = {"initialized": False, "opt_level": None, "loss_scale": 2.0 ** 4, "unskipped": 0}
+_state = {"initialized": False, "opt_level": None, "loss_scale": 2.0 ** 4, "unskipped": 0,
+          "scaled_grads": False}
 
 
 def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
@@ -35,14 +36,29 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     if not _state["initialized"]:
         raise RuntimeError("stand-in: scale_loss before amp.initialize")
     params = [p for g in optimizers.param_groups for p in g["params"]]
-    had_grads = any(p.grad is not None for p in params)
+    # Like apex (amp/handle.py, amp/_process_optimizer.py): unless the last call delayed its
+    # unscale, the gradients so far are moved aside and .grad is cleared before the backward;
+    # on leaving, .grad = those + the new ones unscaled. With delay_unscale=True the new ones
+    # stay scaled in .grad, added to, for a later call to unscale.
+    stash = {} if _state["scaled_grads"] else {p: p.grad for p in params}
+    for p in stash:
+        p.grad = None
+    before = [(p.grad, None if p.grad is None else p.grad._version) for p in params]
     scale = _state["loss_scale"]
     yield loss.float() * scale
-    grads = [p.grad for p in params if p.grad is not None]
-    for g in grads:
-        g.div_(scale)  # unscale, as apex does on leaving the context
-    _state["unskipped"] += 1
-    _log("amp.scale_loss", backward_inside=bool(grads) and not had_grads)
+    backward_inside = any(p.grad is not None and (p.grad is not g or p.grad._version != v)
+                          for p, (g, v) in zip(params, before))
+    if delay_unscale:
+        _state["scaled_grads"] = True
+    else:
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(scale)
+            if stash.get(p) is not None:
+                p.grad = stash[p] if p.grad is None else p.grad.add_(stash[p])
+        _state["scaled_grads"] = False
+        _state["unskipped"] += 1
+    _log("amp.scale_loss", backward_inside=backward_inside, delay_unscale=delay_unscale)
 
 
 def state_dict(destination=None):

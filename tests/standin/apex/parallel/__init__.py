@@ -17,6 +17,14 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
              after_amp_initialize=_state["initialized"])
         super().__init__(module, device_ids=None)
 
+    # apex's switch for skipping its all-reduce (gradient accumulation); here, DDP's own
+    # (what no_sync() sets), read at the forward and in the backward.
+    def disable_allreduce(self):
+        self.require_backward_grad_sync = False
+
+    def enable_allreduce(self):
+        self.require_backward_grad_sync = True
+
 
 def convert_syncbn_model(module, process_group=None, channel_last=False):
     _log("parallel.convert_syncbn_model",
