@@ -128,6 +128,20 @@ def test_a_longer_timeout_rides_out_the_slow_save(tiny_mnist, tmp_path):
     assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1]
 
 
+def test_a_skipped_collective_aborts_on_gloo_without_waiting(tiny_mnist):
+    """spawn_ddp.py: rank 1 skips the first reduce_tensor (as `if rank == 0:` around it would).
+    The ranks' next collectives pair up wrongly, and gloo aborts rank 1 at once, long before
+    --timeout 30."""
+    run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 30)],
+                  script_env(DDP_TEST_SKIP_REDUCE="1:1"), timeout=120)
+    t_skip, _ = run.first(r"test instrumentation: rank 1 skips reduce_tensor call 1")
+    t_abort, _ = run.first(r"Received data size doesn't match expected size\. Is there a "
+                           r"distributed collective mismatch in your code\?")
+    assert t_abort - t_skip < 10, run.text
+    run.first(r"^error: worker 1 exited with code -6$")  # SIGABRT
+    assert run.returncode == 2
+
+
 def test_detail_debug_level_crashes_ddp_on_gloo(tiny_mnist):
     """torch 2.14: with TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP's constructor dies with SIGSEGV on
     gloo, before the first step (the same happens without these scripts: the page has the
