@@ -35,6 +35,9 @@ AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 REFERENCE_BATCH = 256  # --lr is the learning rate at this global batch
 LR_RULES = {"sqrt": "square-root rule, for Adam", "linear": "linear rule, for SGD",
             "none": "not scaled"}
+# gloo's RuntimeErrors for a peer that died or stopped answering: most name a gloo source file;
+# a timeout while a rank waits may also end as "Application timeout caused pair closure".
+GLOO_LOST_PEER = ("/gloo/", "Application timeout caused pair closure")
 PREEMPTED = 143  # exit code after a SIGTERM: 128 + 15, what shells report for "terminated"
 BETAS = (0.7, 0.9)  # Adam's
 # Adam's second-moment estimate averages over about 1 / (1 - beta2) steps and is unreliable
@@ -45,6 +48,12 @@ MIN_WARMUP_STEPS = round(2 / (1 - BETAS[1]))  # 20
 
 class Fatal(Exception):
     """A problem with the user's input or environment: reported as one line, exit code 2."""
+    code = 2
+
+
+class Failed(Fatal):
+    """A process of the job failed (it has said why): one line, exit code 1, as for a lost peer."""
+    code = 1
 
 
 class Preempted(Exception):
@@ -208,7 +217,7 @@ def clean_exit(who=""):
         yield
     except Fatal as e:
         print(f"{who}error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(e.code)
     except Preempted as e:
         if str(e):
             print(f"{who}preempted: {e}", file=sys.stderr, flush=True)
@@ -216,7 +225,7 @@ def clean_exit(who=""):
             dist.destroy_process_group()  # a clean exit: no gloo thread left (see the import)
         sys.exit(PREEMPTED)
     except (dist.DistError, RuntimeError) as e:  # a peer died, never came, or the port is taken
-        if not isinstance(e, dist.DistError) and "/gloo/" not in str(e):
+        if not isinstance(e, dist.DistError) and not any(m in str(e) for m in GLOO_LOST_PEER):
             raise  # gloo reports a lost peer as RuntimeError; any other one is a real bug
         line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         line = re.sub(r"^\[\S+\] ", "", line.strip())  # drop gloo's "[source.cc:123] "

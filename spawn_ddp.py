@@ -64,7 +64,7 @@ def main():
     except mp.ProcessExitedException as e:  # the worker has already printed its reason
         if e.exit_code == common.PREEMPTED:
             raise common.Preempted() from None
-        raise common.Fatal(f"worker {e.error_index} exited with code {e.exit_code}") from None
+        raise common.Failed(f"worker {e.error_index} exited with code {e.exit_code}") from None
     finally:
         for p in workers.processes:
             if p.is_alive():

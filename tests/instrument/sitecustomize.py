@@ -24,6 +24,17 @@ changes none of their results:
                         gradient all-reduce DDP runs (one per bucket, through a communication
                         hook that does what DDP's default does) and one for every optimizer
                         step, in the order they happen
+  DDP_TEST_STALL=RANK:STEP:S
+                        the process of global rank RANK sleeps S seconds before its STEP-th
+                        optimizer step (counted from 1 in that process), after that step's
+                        gradient all-reduce: a rank stuck in slow work of its own while the
+                        others wait for it in their next collective (docs/troubleshooting.md)
+  DDP_TEST_SKIP_REDUCE=RANK:N
+                        in the process of global rank RANK, the N-th call of
+                        common.reduce_tensor returns its input without the all-reduce: one rank
+                        skips a collective that the others run, as `if rank == 0:` around a
+                        logging reduction would (docs/troubleshooting.md)
+  The two print one line on stderr when they act ("test instrumentation: ...").
 With DDP_TEST_RECORD, every optimizer step also records the learning rate it used.
 """
 import atexit
@@ -126,6 +137,56 @@ if os.environ.get("DDP_TEST_ALLREDUCE_LOG"):
         self.register_comm_hook(None, _counting_hook)
     DistributedDataParallel.__init__ = _counting_ddp_init
     register_optimizer_step_pre_hook(lambda *_: _log_event("step") if dist.is_initialized() else None)
+
+
+def _global_rank():
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+if os.environ.get("DDP_TEST_STALL"):
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    _stall_rank, _stall_step, _stall_s = os.environ["DDP_TEST_STALL"].split(":")
+    _steps = [0]
+
+    def _stall(*_):
+        _steps[0] += 1
+        if _steps[0] == int(_stall_step) and _global_rank() == int(_stall_rank):
+            print(f"test instrumentation: rank {_stall_rank} sleeps {_stall_s} s before step "
+                  f"{_stall_step} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            time.sleep(float(_stall_s))
+    register_optimizer_step_pre_hook(_stall)
+
+if os.environ.get("DDP_TEST_SKIP_REDUCE"):
+    import importlib.abc
+    import importlib.util
+    _skip_rank, _skip_call = map(int, os.environ["DDP_TEST_SKIP_REDUCE"].split(":"))
+
+    class _SkipOneReduce(importlib.abc.MetaPathFinder):
+        """Patches common.reduce_tensor once the script imports common (as DDP_TEST_NO_STOP)."""
+
+        def find_spec(self, name, path, target=None):
+            if name != "common":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                reduce, calls = module.reduce_tensor, [0]
+
+                def reduce_tensor(t):
+                    calls[0] += 1
+                    if calls[0] == _skip_call and _global_rank() == _skip_rank:
+                        print(f"test instrumentation: rank {_skip_rank} skips reduce_tensor "
+                              f"call {_skip_call} (pid {os.getpid()})", file=sys.stderr, flush=True)
+                        return t.clone()
+                    return reduce(t)
+                module.reduce_tensor = reduce_tensor
+            spec.loader.exec_module = exec_module
+            return spec
+    sys.meta_path.insert(0, _SkipOneReduce())
 
 RECORD = os.environ.get("DDP_TEST_RECORD")
 if RECORD:

@@ -1,0 +1,290 @@
+"""The claims of docs/troubleshooting.md, each shown by real processes: the fault is caused by
+the test instrumentation (DDP_TEST_STALL, DDP_TEST_SLOW_SAVE) or by the small programs in
+tests/troubleshooting/, never by a flag of the scripts."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, busy_port, load, read_metrics, script_env, workers_of
+
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+pytestmark = pytest.mark.slow  # about 3.5 minutes on 2 cores: out of the quick loop
+
+SNIPPETS = ROOT / "tests" / "troubleshooting"
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
+# What a rank prints when its collective timed out on gloo: the collective's own timeout, or the
+# pair it used being closed by another operation's timeout a moment earlier (which of the two
+# comes first is a race between gloo's threads).
+GLOO_TIMEOUT = r"Timed out waiting (\d+)ms for (send|recv) operation to complete|Application timeout caused pair closure"
+
+
+class Watched:
+    """A command's merged stdout and stderr, each line with the seconds since it started."""
+
+    def __init__(self, cmd, env, timeout, on_line=None, cwd=ROOT):
+        self.lines, start = [], time.monotonic()
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.pid = proc.pid
+        killer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        killer.start()
+        try:
+            for line in proc.stdout:
+                self.lines.append((time.monotonic() - start, line.rstrip("\n")))
+                if on_line:
+                    on_line(self, line)
+            self.returncode = proc.wait()
+        finally:
+            killer.cancel()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.seconds = time.monotonic() - start
+        self.text = "\n".join(line for _, line in self.lines)
+        assert self.returncode != -signal.SIGKILL, f"killed after {timeout} s:\n{self.text}"
+
+    def first(self, pattern):
+        """(seconds, line) of the first line that matches `pattern`; fails if none does."""
+        for t, line in self.lines:
+            if re.search(pattern, line):
+                return t, line
+        pytest.fail(f"no line matches {pattern!r}:\n{self.text}")
+
+
+def tiny(data, timeout):
+    """2 processes, global batch 64: 10 steps of the tiny MNIST, a progress line every 5."""
+    return ["--data-dir", data, "--batch-size", 64, "--log-interval", 5, "--timeout", timeout]
+
+
+# ---- 1. a rank falls out of step: the others fail after --timeout, not never -----------------
+
+@pytest.mark.slow
+def test_stalled_rank_fails_the_job_within_the_timeout(tiny_mnist):
+    """torchrun_ddp.py: rank 1 sleeps 14 s before its third optimizer step; rank 0 waits for it
+    in the next step's collective and fails after --timeout 6. py-spy (where installed) shows
+    where each rank is while it waits."""
+    timeout, stall, dumps = 6, 14, {}
+
+    def spy(agent_pid):
+        for rank, pid in sorted(workers_of(agent_pid).items()):
+            dumps[rank] = subprocess.run(["py-spy", "dump", "--pid", str(pid)], text=True,
+                                         capture_output=True, timeout=30).stdout
+
+    def on_line(run, line):
+        if "sleeps" in line and shutil.which("py-spy"):
+            time.sleep(1)  # rank 0 reaches its collective within milliseconds
+            threading.Thread(target=spy, args=(run.pid,)).start()
+
+    run = Watched([sys.executable, *TORCHRUN, ROOT / "torchrun_ddp.py", *tiny(tiny_mnist, timeout)],
+                  script_env(DDP_TEST_STALL=f"1:3:{stall}"), timeout=150, on_line=on_line)
+    t_stall, _ = run.first(r"test instrumentation: rank 1 sleeps")
+    t_error, line = run.first(GLOO_TIMEOUT)
+    assert line.startswith("[rank 0] error: distributed: "), line  # one line, no traceback
+    m = re.search(r"Timed out waiting (\d+)ms", line)
+    assert m is None or int(m.group(1)) == timeout * 1000
+    assert timeout - 0.5 < t_error - t_stall < timeout + 5, run.text
+    assert run.returncode == 1  # torchrun's, after its ChildFailedError summary
+    assert "ChildFailedError" in run.text
+    assert run.seconds < t_stall + stall + 15  # rank 1 ends once its sleep is over
+    if shutil.which("py-spy"):
+        assert "_stall (sitecustomize.py" in dumps[1] and "train (torchrun_ddp.py" in dumps[1]
+        assert "train (torchrun_ddp.py" in dumps[0] and "_stall" not in dumps[0], dumps[0]
+
+
+@pytest.mark.slow
+def test_slow_save_on_rank_0_fails_the_others_at_the_barrier(tiny_mnist, tmp_path):
+    """spawn_ddp.py: rank 0's checkpoint write takes 8 s (a slow disk); rank 1 waits at the
+    barrier after it and fails after --timeout 3. Rank 0 still completes the checkpoint."""
+    timeout = 3
+    run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, timeout),
+                   "--checkpoint", tmp_path / "c.pt"],
+                  script_env(DDP_TEST_SLOW_SAVE=8), timeout=150)
+    t_last_step, _ = run.first(r"epoch 1/1 step 10/10")
+    t_error, line = run.first(r"\[rank 1\] error: distributed: Timed out waiting 3000ms for recv")
+    assert timeout - 0.5 < t_error - t_last_step < timeout + 5, run.text
+    run.first(r"^error: worker 1 exited with code 1$")
+    assert run.returncode == 1
+    assert "Traceback" not in run.text
+    assert load(tmp_path / "c.pt")["epoch"] == 1  # written whole, after the SIGTERM
+    assert not (tmp_path / "c.pt.tmp").exists()
+
+
+@pytest.mark.slow
+def test_a_longer_timeout_rides_out_the_slow_save(tiny_mnist, tmp_path):
+    """The same 5-second save with --timeout 20: the run ends normally."""
+    run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 20),
+                   "--checkpoint", tmp_path / "c.pt", "--metrics", tmp_path / "m.jsonl"],
+                  script_env(DDP_TEST_SLOW_SAVE=5), timeout=150)
+    assert run.returncode == 0, run.text
+    assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1]
+
+
+def test_a_skipped_collective_aborts_on_gloo_without_waiting(tiny_mnist):
+    """spawn_ddp.py: rank 1 skips the first reduce_tensor (as `if rank == 0:` around it would).
+    The ranks' next collectives pair up wrongly, and gloo aborts rank 1 at once, long before
+    --timeout 30."""
+    run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 30)],
+                  script_env(DDP_TEST_SKIP_REDUCE="1:1"), timeout=120)
+    t_skip, _ = run.first(r"test instrumentation: rank 1 skips reduce_tensor call 1")
+    t_abort, _ = run.first(r"Received data size doesn't match expected size\. Is there a "
+                           r"distributed collective mismatch in your code\?")
+    assert t_abort - t_skip < 10, run.text
+    run.first(r"^error: worker 1 exited with code -6$")  # SIGABRT
+    assert run.returncode == 1
+
+
+def test_detail_debug_level_crashes_ddp_on_gloo(tiny_mnist):
+    """torch 2.14: with TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP's constructor dies with SIGSEGV on
+    gloo, before the first step (the same happens without these scripts: the page has the
+    ten lines). INFO runs (test_info_names_the_parameters_without_a_gradient)."""
+    run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 10)],
+                  script_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"), timeout=120)
+    run.first(r"^error: worker [01] exited with code -11$")
+    assert run.returncode == 1
+    assert "step" not in run.text
+
+
+@pytest.mark.parametrize("debug", ["DETAIL", "INFO", "OFF"])
+def test_detail_names_the_mismatched_collective(debug):
+    """Rank 0 alone runs an all-reduce (tests/troubleshooting/mismatch.py). With DETAIL both
+    collectives are named at once; with INFO or without the variable, the ranks wait for the
+    3-second timeout."""
+    run = Watched([sys.executable, SNIPPETS / "mismatch.py", 3],
+                  script_env(TORCH_DISTRIBUTED_DEBUG=debug), timeout=120)
+    assert run.returncode == 1
+    assert "finished" not in run.text
+    if debug == "DETAIL":
+        _, line = run.first(r"^RuntimeError: Detected mismatch between collectives on ranks\. ")
+        # whichever rank reports it names its own collective first and the other's second
+        found = re.findall(r"Rank (\d) is running collective: CollectiveFingerPrint\("
+                           r"SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[(\d*)\]", line)
+        assert sorted(found) == [("0", "1", "ALLREDUCE", "1"), ("1", "1", "BROADCAST", "4")], line
+        assert "Timed out" not in run.text
+    else:
+        run.first(r"RuntimeError: .*Timed out waiting 3000ms for recv operation to complete")
+        assert "Detected mismatch" not in run.text
+
+
+def test_a_wrong_gloo_interface_fails_at_once(tiny_mnist):
+    run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 30)],
+                  script_env(GLOO_SOCKET_IFNAME="nosuchif0"), timeout=120)
+    for rank in (0, 1):
+        run.first(rf"^\[rank {rank}\] error: distributed: .*Unable to find address for: nosuchif0$")
+    assert run.returncode == 1
+    assert "step" not in run.text
+
+
+# ---- 3. a busy port (spawn_ddp.py: test_error_port_in_use in test_spawn_ddp.py) -------------
+
+def test_torchrun_reports_a_busy_master_port(tiny_mnist):
+    with busy_port() as s:
+        port = s.getsockname()[1]
+        run = Watched([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                       f"--master-port={port}", ROOT / "torchrun_ddp.py", *tiny(tiny_mnist, 30)],
+                      script_env(), timeout=120)
+    assert run.returncode == 1
+    run.first(rf"DistNetworkError: The server socket has failed to listen on any local network "
+              rf"address\. port: {port}, .*EADDRINUSE")
+
+
+# ---- 2. parameters without a gradient ------------------------------------------------------
+
+def test_info_names_the_parameters_without_a_gradient():
+    """tests/troubleshooting/unused_parameters.py: the error of torch 2.14 at the second step,
+    the parameter names under INFO, and the two ways out."""
+    run = Watched([sys.executable, SNIPPETS / "unused_parameters.py"],
+                  script_env(TORCH_DISTRIBUTED_DEBUG="INFO", TORCH_CPP_LOG_LEVEL="INFO"),
+                  timeout=120)
+    assert run.returncode == 0, run.text
+    run.first(r"\[Rank 0\]: DDP Initialized with: $")  # with TORCH_CPP_LOG_LEVEL=INFO
+    run.first(r"^module_name: TwoHeads$")
+    run.first(r"^--- DDP\(model\): step 1 failed: Expected to have finished reduction in the "
+              r"prior iteration before starting a new one\.")
+    run.first(r"^Parameters which did not receive grad for rank 0: unused\.bias, unused\.weight$")
+    run.first(r"^Parameter indices which did not receive grad for rank 0: 4 5$")
+    run.first(r"^--- DDP\(model, find_unused_parameters=True\): 3 steps done$")
+    run.first(r"^--- DDP\(model, static_graph=True\): 3 steps done$")
+
+
+# ---- 4. Jupyter ----------------------------------------------------------------------------
+
+CELL = """
+import torch.multiprocessing as mp
+
+def worker(rank):
+    print(f"worker {rank} runs", flush=True)
+
+mp.spawn(worker, nprocs=2)
+"""
+
+
+def test_spawn_cannot_start_a_function_defined_in_main_without_a_file():
+    """`python -c`, like a notebook, has a __main__ without a file: the spawned processes cannot
+    find the function. The same worker imported from a module runs."""
+    run = Watched([sys.executable, "-c", CELL], script_env(), timeout=120)
+    assert run.returncode == 1
+    run.first(r"^AttributeError: Can't get attribute 'worker' on <module '__main__' \(built-in\)>$")
+    assert "runs" not in run.text
+    fixed = CELL.replace('def worker(rank):\n    print(f"worker {rank} runs", flush=True)\n',
+                         "from notebook_worker import worker\n")
+    run = Watched([sys.executable, "-c", fixed], script_env(pythonpath=[SNIPPETS]), timeout=120)
+    assert run.returncode == 0, run.text
+    assert {"worker 0 runs", "worker 1 runs"} <= {line for _, line in run.lines}
+    forked = CELL.replace("mp.spawn(worker, nprocs=2)",
+                          'mp.start_processes(worker, nprocs=2, start_method="fork")')
+    run = Watched([sys.executable, "-c", forked], script_env(), timeout=120)
+    assert run.returncode == 0, run.text
+    assert {"worker 0 runs", "worker 1 runs"} <= {line for _, line in run.lines}
+
+
+# ---- 5. seeds ------------------------------------------------------------------------------
+
+def test_a_training_step_draws_no_random_numbers():
+    """Every rank seeds the same stream (common.seed_everything), which would repeat dropout
+    masks and augmentations on every rank; common.Net has neither, and a training step draws
+    nothing from the stream."""
+    common.seed_everything(0)
+    model = common.Net().train()
+    assert not any(isinstance(m, (torch.nn.modules.dropout._DropoutNd, torch.nn.AlphaDropout))
+                   for m in model.modules())
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    before = torch.get_rng_state()
+    torch.nn.functional.cross_entropy(model(x), y, label_smoothing=0.1).backward()
+    assert torch.equal(before, torch.get_rng_state())
+
+
+# ---- 6. long work on one rank --------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_patient_group_waits_out_rank_0_but_monitored_barrier_does_not():
+    """tests/troubleshooting/waiting_for_one_rank.py rank0: a barrier of a group with a 60 s
+    timeout waits out 6 s of work on rank 0 while the main group's timeout is 3 s;
+    monitored_barrier(timeout=20 s) does not: rank 1 waits for rank 0 with the group's 3 s."""
+    run = Watched([sys.executable, SNIPPETS / "waiting_for_one_rank.py", "rank0"], script_env(),
+                  timeout=120)
+    assert run.returncode == 1
+    for rank in (0, 1):
+        run.first(rf"\] rank {rank}: passed the barrier of the group with the 60 s timeout$")
+    run.first(r"\[ 3\.\ds\] rank 1: monitored_barrier failed: Rank 1 successfully reached "
+              r"monitoredBarrier, but received errors while waiting for send/recv from rank 0\.")
+
+
+def test_monitored_barrier_names_the_rank_that_did_not_arrive():
+    """tests/troubleshooting/waiting_for_one_rank.py rank1: rank 1 works 6 s alone; rank 0's
+    monitored_barrier(timeout=3 s) fails after 3 s naming rank 1."""
+    run = Watched([sys.executable, SNIPPETS / "waiting_for_one_rank.py", "rank1"], script_env(),
+                  timeout=120)
+    assert run.returncode == 1
+    run.first(r"\[ 3\.\ds\] rank 0: monitored_barrier failed: \[Rank 0\]: Rank 1 failed to pass "
+              r"monitoredBarrier in 3000 ms$")
