@@ -94,13 +94,13 @@ if os.environ.get("DDP_TEST_NOT_LINUX"):
         return _open(file, *args, **kwargs)
     builtins.open = _open_without_proc
 
-if os.environ.get("DDP_TEST_NO_STOP"):
+def _patch_common(patch):
+    """Calls patch(module) once the script has imported common (not on the path yet, so a
+    meta path finder waits for the import)."""
     import importlib.abc
     import importlib.util
 
-    class _WithoutStopCheck(importlib.abc.MetaPathFinder):
-        """Patches common.StopSignal once the script imports common (not on the path yet)."""
-
+    class _Patcher(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
             if name != "common":
                 return None
@@ -110,10 +110,16 @@ if os.environ.get("DDP_TEST_NO_STOP"):
 
             def exec_module(module):
                 run(module)
-                module.StopSignal.__call__ = lambda self: False
+                patch(module)
             spec.loader.exec_module = exec_module
             return spec
-    sys.meta_path.insert(0, _WithoutStopCheck())
+    sys.meta_path.insert(0, _Patcher())
+
+
+if os.environ.get("DDP_TEST_NO_STOP"):
+    def _no_stop_check(common):
+        common.StopSignal.__call__ = lambda self: False
+    _patch_common(_no_stop_check)
 
 if os.environ.get("DDP_TEST_ALLREDUCE_LOG"):
     import torch.distributed as dist
@@ -158,35 +164,20 @@ if os.environ.get("DDP_TEST_STALL"):
     register_optimizer_step_pre_hook(_stall)
 
 if os.environ.get("DDP_TEST_SKIP_REDUCE"):
-    import importlib.abc
-    import importlib.util
     _skip_rank, _skip_call = map(int, os.environ["DDP_TEST_SKIP_REDUCE"].split(":"))
 
-    class _SkipOneReduce(importlib.abc.MetaPathFinder):
-        """Patches common.reduce_tensor once the script imports common (as DDP_TEST_NO_STOP)."""
+    def _skip_one_reduce(common):
+        reduce, calls = common.reduce_tensor, [0]
 
-        def find_spec(self, name, path, target=None):
-            if name != "common":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            run = spec.loader.exec_module
-
-            def exec_module(module):
-                run(module)
-                reduce, calls = module.reduce_tensor, [0]
-
-                def reduce_tensor(t):
-                    calls[0] += 1
-                    if calls[0] == _skip_call and _global_rank() == _skip_rank:
-                        print(f"test instrumentation: rank {_skip_rank} skips reduce_tensor "
-                              f"call {_skip_call} (pid {os.getpid()})", file=sys.stderr, flush=True)
-                        return t.clone()
-                    return reduce(t)
-                module.reduce_tensor = reduce_tensor
-            spec.loader.exec_module = exec_module
-            return spec
-    sys.meta_path.insert(0, _SkipOneReduce())
+        def reduce_tensor(t):
+            calls[0] += 1
+            if calls[0] == _skip_call and _global_rank() == _skip_rank:
+                print(f"test instrumentation: rank {_skip_rank} skips reduce_tensor "
+                      f"call {_skip_call} (pid {os.getpid()})", file=sys.stderr, flush=True)
+                return t.clone()
+            return reduce(t)
+        common.reduce_tensor = reduce_tensor
+    _patch_common(_skip_one_reduce)
 
 RECORD = os.environ.get("DDP_TEST_RECORD")
 if RECORD:
