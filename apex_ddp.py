@@ -63,6 +63,8 @@ def main():
         use_apex, why = False, "native PyTorch: apex needs CUDA and there is no GPU"
     else:
         use_apex, why = True, f"apex ({apex.__file__}), amp opt level {args.opt_level}"
+    if use_apex and args.compile:  # amp patches torch functions at run time: never tried here
+        raise common.Fatal("--compile is untested with apex's amp and DDP; add --native")
     # Natively, O1-O3 become autocast: float16 + GradScaler on GPUs, and bfloat16 on a CPU
     # with bfloat16 instructions. On other CPUs both are slower than fp32, so: fp32.
     if not use_apex and args.opt_level != "O0":
@@ -172,6 +174,9 @@ def train(local_rank, nproc, args, use_apex, why):
         model = ApexDDP(model, delay_allreduce=True)
     else:  # device_ids only for CUDA: a CPU module takes None
         model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    # Compile the DDP-wrapped model (DDP notes): graphs split at its buckets, all-reduce overlaps.
+    if args.compile:  # .module and .no_sync() pass through to DDP: the saves stay a plain Net
+        model = torch.compile(model)
     # One checkpoint writer in all (concurrent writes to a shared disk corrupt the file), or
     # one per node when nodes have no shared filesystem.
     writer = (local_rank if args.save_on_each_node else rank) == 0

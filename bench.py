@@ -8,6 +8,7 @@ hit all configurations alike; every ratio comes from this one run.
     python bench.py --data-dir ../shared/data                       # the README's table
     python bench.py --data-dir ../shared/data --amp bf16 --reps 5
     python bench.py --data-dir ../shared/data --channels-last both    # NCHW and NHWC side by side
+    python bench.py --data-dir ../shared/data --compile both --epochs 2  # eager and compiled
     python bench.py --dummy --reps 1 --scripts spawn_ddp --world-sizes 1 2
 """
 import argparse
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parent
 SCRIPTS = ("dp_baseline", "spawn_ddp", "torchrun_ddp", "apex_ddp")
 TARGET = 99.0  # test accuracy, percent
 CL = " +channels_last"  # the row label of a run with --channels-last
+COMPILED = "+compile"  # ... with --compile
 ENV = "+env"  # ... and of a run with the --with-env variables
 
 
@@ -74,6 +76,9 @@ def run_once(cmd, threads, args, seed, batch, rule, env):
         if to_target is None and r["test_acc"] >= TARGET:
             to_target = elapsed
     return {"to_target": to_target, "acc": rows[-1]["test_acc"], "wall": wall,
+            "startup": wall - elapsed, "first_s": rows[0]["epoch_seconds"],  # first: compiles
+            "later_s": (statistics.mean(r["epoch_seconds"] for r in rows[1:])
+                        if len(rows) > 1 else None),
             "accs": [r["test_acc"] for r in rows],
             "epoch_s": statistics.mean(r["epoch_seconds"] for r in rows),
             "samples_s": statistics.mean(r["samples_per_s"] for r in rows),
@@ -112,6 +117,9 @@ def main():
                    help="precision(s); several run side by side (default: none)")
     p.add_argument("--channels-last", choices=["off", "on", "both"], default="off",
                    help="run with --channels-last: off, on, or both side by side (default: off)")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                   help="run with --compile: off, on, or both side by side; the first epoch "
+                   "includes the compilation, so give --epochs 2 or more (default: off)")
     p.add_argument("--batch-size", nargs="+", type=common.positive_int, default=[256],
                    help="global batch; several values run side by side (default: 256)")
     p.add_argument("--lr-scaling", nargs="+", choices=list(common.LR_RULES), default=["sqrt"],
@@ -141,17 +149,20 @@ def main():
     # A configuration: (script, variant, processes). Variants differ in one setting each.
     layouts = {"off": [False], "on": [True], "both": [False, True]}[args.channels_last]
     several = len(args.batch_size) > 1 or len(args.lr_scaling) > 1
-    variants = {}  # label -> (channels_last, batch, rule, environment, amp)
+    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    variants = {}  # label -> (channels_last, batch, rule, environment, amp, compile)
     for env in [{}, extra_env] if extra_env else [{}]:
         for amp in args.amp:
             for cl in layouts:
                 for batch in args.batch_size:
                     for rule in args.lr_scaling:
-                        label = " ".join(filter(None, [
-                            f"{amp}" if len(args.amp) > 1 else "",
-                            f"batch {batch} {rule}" if several else "",
-                            CL.strip() if cl else "", ENV if env else ""]))
-                        variants[label] = (cl, batch, rule, env, amp)
+                        for comp in compiles:
+                            label = " ".join(filter(None, [
+                                f"{amp}" if len(args.amp) > 1 else "",
+                                f"batch {batch} {rule}" if several else "",
+                                CL.strip() if cl else "", COMPILED if comp else "",
+                                ENV if env else ""]))
+                            variants[label] = (cl, batch, rule, env, amp, comp)
     configs = [(s, v, n) for v in variants for s in args.scripts for n in args.world_sizes
                if command(s, n, variants[v][4]) is not None and variants[v][1] % n == 0]
     if not configs:
@@ -162,10 +173,10 @@ def main():
         return max(1, common.cpu_count() // n)
     for rep in range(args.reps):
         for s, v, n in configs:
-            cl, batch, rule, env, amp = variants[v]
+            cl, batch, rule, env, amp, comp = variants[v]
             print(f"rep {rep + 1}/{args.reps}: {f'{s} {v}'.strip()} x{n}", file=sys.stderr,
                   flush=True)
-            cmd = command(s, n, amp) + ["--channels-last"] * cl
+            cmd = command(s, n, amp) + ["--channels-last"] * cl + ["--compile"] * comp
             results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, batch, rule, env))
 
     def name(s, v):
@@ -174,7 +185,7 @@ def main():
     print(f"Work: {'synthetic data' if args.dummy else 'MNIST'}, {args.epochs} epoch(s), global "
           f"batch {' '.join(map(str, args.batch_size))}, --lr-scaling "
           f"{' '.join(args.lr_scaling)}, --amp {' '.join(args.amp)}, --channels-last {args.channels_last}, "
-          f"{args.reps} seed(s) per row; median (min-max)"
+          f"--compile {args.compile}, {args.reps} seed(s) per row; median (min-max)"
           + (f"; {ENV}: {args.with_env}" if extra_env else "") + "\n")
     print(f"| script | processes x threads | s to {TARGET:g}% | test acc. mean (worst) | "
           "epoch s | samples/s | data wait | DDP efficiency | wall s |")
@@ -199,7 +210,7 @@ def main():
               + " | ".join(f"epoch {e + 1}" for e in range(args.epochs)) + " | epoch s |")
         print("|---|---|---|---|---|" + "---|" * args.epochs + "---|")
         for (s, v, n), rs in results.items():
-            _, batch, rule, _, _ = variants[v]
+            _, batch, rule, _, _, _ = variants[v]
             lr = common.build_parser("").get_default("lr")  # the scripts' --lr
             peak = common.peak_lr(argparse.Namespace(lr=lr, batch_size=batch, lr_scaling=rule))
             cells = [f"{statistics.mean(a):.2f} ({min(a):.2f})"
@@ -231,6 +242,11 @@ def main():
             r = ratio((s, v, n), (s, plain, n))
             if r:
                 lines.append(f"- {name(s, v)} x{n}: epoch time with --amp {amp} / in fp32: {r}")
+        if variants[v][5] and not variants[v][3]:  # --compile, against the same run without
+            plain = " ".join(w for w in v.split(" ") if w != COMPILED)
+            if (s, plain, n) in results:
+                lines.append(f"- {name(s, plain)} x{n}: " + compile_cost(results[(s, v, n)],
+                                                                         results[(s, plain, n)]))
         for suffix, what in ((CL.strip(), "--channels-last"), (ENV, ENV)):
             if v.endswith(suffix):
                 plain = v[:-len(suffix)].strip()
@@ -241,6 +257,23 @@ def main():
         print("\nRatios of median epoch times, from this run:\n" + "\n".join(lines))
     if args.png:
         save_chart(results, args.png, f"{machine()}\n--amp {' '.join(args.amp)}, {args.reps} seed(s)")
+
+
+def compile_cost(compiled, eager):
+    """--compile against the same configuration without it: the first epoch (compilation
+    included), the later ones (compiled code only), and the start-up outside the epochs."""
+    def med(rs, key):
+        values = [r[key] for r in rs if r[key] is not None]
+        return statistics.median(values) if values else None
+    first = (f"first epoch {med(compiled, 'first_s'):.1f} s with --compile / "
+             f"{med(eager, 'first_s'):.1f} s without")
+    later = ""
+    if med(compiled, "later_s") is not None:
+        c, e = med(compiled, "later_s"), med(eager, "later_s")
+        later = (f"; later epochs {c:.1f} s / {e:.1f} s (ratio {c / e:.2f}); compilation about "
+                 f"{med(compiled, 'first_s') - c:.0f} s (first epoch - later ones)")
+    return (first + later + f"; start-up outside the epochs {med(compiled, 'startup'):.1f} s / "
+            f"{med(eager, 'startup'):.1f} s")
 
 
 def save_chart(results, path, title):

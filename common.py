@@ -124,6 +124,8 @@ def build_parser(description, processes=True):
     a("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm (CUDA only)")
     a("--channels-last", action="store_true", help="keep conv weights in channels_last (NHWC) "
       "memory format: faster convolutions on CPU here, see README")
+    a("--compile", action="store_true", help="torch.compile the model (the DDP-wrapped one in "
+      "the DDP scripts); the first steps compile (README, torch.compile)")
     a("--checkpoint", metavar="PATH", help="written by one process after every epoch, and "
       "where a SIGTERM stops the run")
     a("--save-every", type=natural_int, default=0, metavar="STEPS", help="also write "
@@ -165,6 +167,9 @@ def check_args(args, world_size, cuda, say=True):
                     f"{args.epochs}")
     if args.sync_bn and not cuda:
         raise Fatal("--sync-bn needs CUDA: nn.SyncBatchNorm does not train on CPU")
+    if args.compile and not cuda and cpp_compiler() is None:  # else a traceback at step 1
+        raise Fatal("--compile on a CPU needs a C++ compiler for inductor: none runs as $CXX or "
+                    "g++; install g++ or point CXX to one")
     if args.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
@@ -276,6 +281,16 @@ def amp_on_cpu_reason(amp):
     if amp == "fp16":
         return "float16 autocast on a CPU ran many times slower than fp32 (README, Mixed precision)"
     return "it has no bfloat16 instructions (AVX512_BF16, AMX or ARM BF16), so bf16 is emulated"
+
+
+def cpp_compiler():
+    """The C++ compiler inductor will build CPU kernels with, found the way it searches ($CXX,
+    else g++, run with --version), or None."""
+    from torch._inductor import cpp_builder, exc
+    try:
+        return cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        return None
 
 
 def gloo_on_loopback():

@@ -81,6 +81,8 @@ def train(gpus, args):
     # Replicated on every step, in this process; the gradients end up on the first GPU.
     # torch.autocast's state reaches DataParallel's worker threads (torch >= 1.10).
     model = nn.DataParallel(model, device_ids=gpus or None)
+    if args.compile:  # .module passes through to DataParallel's: saves stay a plain Net
+        model = torch.compile(model)
     stop = common.StopSignal()  # a scheduler's SIGTERM: stop at the next step, with a snapshot
 
     for epoch in range(start_epoch, args.epochs):
