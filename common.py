@@ -286,7 +286,10 @@ def amp_on_cpu_reason(amp):
 def cpp_compiler():
     """The C++ compiler inductor will build CPU kernels with, found the way it searches ($CXX,
     else g++, run with --version), or None."""
-    from torch._inductor import cpp_builder, exc
+    try:  # inductor's own search; a private API, so a plain PATH lookup if it moves
+        from torch._inductor import cpp_builder, exc
+    except ImportError:
+        return shutil.which(os.environ.get("CXX", "g++"))
     try:
         return cpp_builder.get_cpp_compiler()
     except exc.InvalidCxxCompiler:
