@@ -4,6 +4,7 @@ TORCH_DISTRIBUTED_DEBUG=DETAIL.
 
     python tests/troubleshooting/mismatch.py [TIMEOUT_SECONDS]
 """
+import os
 import socket
 import sys
 from datetime import timedelta
@@ -20,7 +21,7 @@ def worker(rank, port, timeout):
     if rank == 0:
         dist.all_reduce(torch.ones(1))        # the bug: only rank 0 reduces its loss to log it
     dist.broadcast(torch.ones(4), src=0)      # both ranks
-    print(f"rank {rank} finished", flush=True)
+    os.write(1, f"rank {rank} finished\n".encode())  # one write: the ranks share the pipe
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ processes; docs/troubleshooting.md, "Long work on rank 0 only").
         rank 1 works 6 s alone while both call dist.monitored_barrier(timeout=3 s): rank 0
         reports which rank did not arrive.
 """
+import os
 import socket
 import sys
 import time
@@ -24,7 +25,9 @@ TIMEOUT, WORK = 3, 6  # seconds
 
 def worker(rank, port, late):
     def say(what):
-        print(f"[{time.monotonic() - start:4.1f}s] rank {rank}: {what}", flush=True)
+        # one write() of the whole line: the two processes share the pipe, and print() may
+        # write the text and its newline separately, which interleaves lines
+        os.write(1, f"[{time.monotonic() - start:4.1f}s] rank {rank}: {what}\n".encode())
 
     def monitored_barrier(seconds):
         try:
