@@ -452,7 +452,8 @@ def micro_batches(x, y, n):
     up to the gradient of the mean loss over the whole batch."""
     n = min(n, len(y))  # a last batch shorter than n gives no empty micro-batch
     for k in range(n):
-        yield x[k::n], y[k::n], len(y[k::n]) / len(y), k == n - 1
+        yk = y[k::n]
+        yield x[k::n], yk, len(yk) / len(y), k == n - 1
 
 
 def sync_on(last, model):

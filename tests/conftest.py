@@ -113,6 +113,14 @@ def read_records(directory, name):
     return rows
 
 
+def max_rel_diff(a, b):
+    """The largest difference between two state dicts' float tensors, relative to the largest
+    value of the tensor in `b`."""
+    return max(((a[k].double() - b[k].double()).abs().max()
+                / b[k].double().abs().max().clamp(min=1e-12)).item()
+               for k in a if a[k].is_floating_point())
+
+
 def busy_port():
     """A listening socket on a port of this machine; the caller closes it."""
     s = socket.socket()

@@ -17,10 +17,10 @@ differs by 0.16 relative.
 import pytest
 import torch
 
-from conftest import load, read_records, run_script
+from conftest import ROOT, load, max_rel_diff, read_records, run_script
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone")
-STANDIN = __import__("conftest").ROOT / "tests" / "standin"
+STANDIN = ROOT / "tests" / "standin"
 ARGS = ("--batch-size", 32, "--epochs", 1, "--log-interval", 100, "--timeout", 30)
 TOL = dict(rtol=1e-5, atol=1e-7)
 
@@ -42,11 +42,6 @@ def run(script, data, procs, *extra, launcher=(), **env):
 def trained(state):
     """The trained parameters, without BatchNorm's running statistics."""
     return {k: v for k, v in state.items() if "running_" not in k and "num_batches" not in k}
-
-
-def max_rel_diff(a, b):
-    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item()
-               for k in a if a[k].is_floating_point())
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import common
-from conftest import load, run_script
+from conftest import load, max_rel_diff, run_script
 
 ARGS = ("--nproc-per-node", 2, "--batch-size", 32, "--epochs", 2, "--log-interval", 100,
         "--timeout", 60)
@@ -27,12 +27,6 @@ TOL = 2e-3  # of a tensor's largest value (see above)
 def train(data, ckpt, *extra, **env):
     return run_script("spawn_ddp.py", "--data-dir", data, *ARGS, "--checkpoint", ckpt, *extra,
                       OMP_NUM_THREADS=1, timeout=300, **env)
-
-
-def max_rel_diff(a, b):
-    return max(((a[k].double() - b[k].double()).abs().max()
-                / b[k].double().abs().max().clamp(min=1e-12)).item()
-               for k in a if a[k].is_floating_point())
 
 
 @pytest.fixture(scope="module")
