@@ -1,4 +1,4 @@
-"""DistributedDataParallel on MNIST, processes started by torchrun (elastic).
+"""DistributedDataParallel, processes started by torchrun (elastic).
 
 One machine:   torchrun --standalone --nproc-per-node=2 torchrun_ddp.py
 Fault-tolerant: torchrun --standalone --nproc-per-node=2 --max-restarts=3 torchrun_ddp.py \\
@@ -8,18 +8,17 @@ Two machines:  torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d \\
 Old launcher:  python -m torch.distributed.launch --nproc-per-node=2 torchrun_ddp.py
 No launcher:   python torchrun_ddp.py   (one process)
 
-With --checkpoint, the script continues from that file whenever it exists: a group that
-torchrun restarts after a failure picks up at the last snapshot instead of starting over.
+With --checkpoint, the script continues from that file whenever a process finds it: a group
+that torchrun restarts after a failure picks up at the last snapshot instead of starting over.
 """
-import itertools
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import common
@@ -35,164 +34,161 @@ def main():
 
     # torchrun tells each process who it is through the environment (LOCAL_RANK, RANK,
     # WORLD_SIZE, ...). Without those variables this is a single process.
-    gpus = torch.cuda.device_count()
     nproc = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if gpus and nproc > gpus:  # two processes on one GPU: NCCL refuses, or they fight over it
-        raise common.Fatal(f"--nproc-per-node {nproc} but this machine has {gpus} GPU(s)")
-    if args.checkpoint and os.path.exists(args.checkpoint):
-        args.resume = True  # elastic: a restarted group continues from the last snapshot
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))  # the old launcher: flag
-    common.check_args(args, world_size=int(os.environ.get("WORLD_SIZE", 1)), cuda=gpus > 0,
-                      say=local_rank == 0)
+    common.check_args(args, world_size=world_size, local_processes=nproc,
+                      one_node=nproc == world_size, notes=local_rank == 0)
     # GROUP_RANK: torchrun's index of this machine; its node 0 holds global rank 0.
-    common.check_outputs(args, int(os.environ.get("GROUP_RANK", 0)), say=local_rank == 0)
+    common.check_outputs(args, int(os.environ.get("GROUP_RANK", 0)), notes=local_rank == 0)
     train(local_rank, nproc, args)
 
 
 def train(local_rank, nproc, args):
-    # Who am I: the global rank counts processes over all nodes, local_rank within this one.
-    rank = int(os.environ.get("RANK", 0))
+    rank = int(os.environ.get("RANK", 0))  # over all nodes; local_rank: on this one
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # 0, then 1 after a restart
+    device = common.process_device(local_rank, nproc)  # one GPU each, or a share of the cores
 
-    # One GPU per process and NCCL between GPUs; without GPUs, gloo between CPU processes,
-    # each with its share of the cores (torchrun sets OMP_NUM_THREADS=1 when it starts several).
-    if torch.cuda.is_available():
-        device, backend = torch.device("cuda", local_rank), "nccl"
-        torch.cuda.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-        torch.set_num_threads(common.threads_per_process(nproc))
-
-    # Meet the others through the store torchrun's agent hosts (MASTER_ADDR:MASTER_PORT). Keys
-    # are prefixed with the restart count: after a restart the store still holds the dead
-    # round's addresses, and gloo may try to connect to them (pytorch/pytorch#167288).
-    # The timeout makes a missing or dead peer an error within about a minute, not a hang.
-    timeout = timedelta(seconds=args.timeout)
-    if "RANK" in os.environ:
-        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    # Meet the others through a store, or give up after --join-timeout.
+    if nproc == world_size:  # one machine
+        common.on_loopback()  # gloo's and NCCL's own sockets (torchrun's: docs/security.md)
+    if "RANK" in os.environ:  # torchrun's agent hosts it at MASTER_ADDR:MASTER_PORT. Keys are
+        # prefixed with the restart count: after a restart the store still holds the dead
+        # round's addresses, and gloo may try to connect to them (pytorch/pytorch#167288).
+        store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))
         store = dist.PrefixStore(f"restart{restart}/", store)
     else:  # plain `python torchrun_ddp.py`: a group of one, in memory, no port needed
         store = dist.HashStore()
-        common.gloo_on_loopback()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)  # NCCL: this GPU
-    report = common.Reporter(args, rank, world_size)
-    report.log(f"{world_size} processes ({world_size // nproc} node(s) x {nproc}), backend "
-               f"{backend}, device {device.type}, {torch.get_num_threads()} thread(s) each, "
-               f"restart {restart} (TORCHELASTIC_RESTART_COUNT)")
-    report.log(common.describe_lr(args))
+    # NCCL between GPUs, gloo between CPUs; --timeout: how long a collective waits for the rest.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=args.timeout))
+    common.say_once(f"{world_size} processes ({world_size // nproc} node(s) x {nproc}), restart "
+                    f"{restart} (TORCHELASTIC_RESTART_COUNT)", device)
     if local_rank == 0:  # download once per machine, before anyone reads the files
         common.prepare_data(args)
     dist.barrier()
-
-    # Data: every process holds all of MNIST in memory; the sampler gives each a disjoint
-    # shard, and each process takes its part of the global batch.
-    train_set, test_x, test_y = common.load_mnist(args, device)
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
-                                 shuffle=True, seed=args.seed)
-    loader = common.batch_loader(train_set, sampler, args.batch_size // world_size)
-
-    # Model: the same seed gives every process the same initial weights (DDP also broadcasts
-    # rank 0's at construction). SyncBatchNorm must replace BatchNorm before the DDP wrap.
-    common.seed_everything(args.seed)
-    model = common.Net().to(device)
-    if args.channels_last:  # NHWC weights: faster convolutions (README, Speed). MNIST's
-        model = model.to(memory_format=torch.channels_last)  # one channel is NHWC already
-    if args.sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    optimizer = common.make_optimizer(model, args)
-    scheduler = common.make_scheduler(optimizer, args, len(loader))
-    amp_dtype = common.AMP_DTYPES[args.amp]
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
-
-    start_epoch, start_step = 0, 0
-    if args.resume or args.evaluate:  # every process loads, onto its own device
-        ckpt = common.load_checkpoint(args.checkpoint, map_location=device)
-        start_epoch, start_step = common.restore(ckpt, model, optimizer, scheduler, scaler,
-                                                 args.checkpoint)
-        if not common.same_everywhere(start_epoch, start_step, device=device):
-            raise common.Fatal(f"the nodes' copies of {args.checkpoint} are at different steps "
-                               "(a crash between two writes): copy the newest to every node")
-        report.log(f"loaded {args.checkpoint}: {start_epoch} epoch(s) + {start_step} step(s) trained")
-    if args.evaluate:
-        correct, total = common.evaluate(model, test_x, test_y, rank, world_size)
-        report.record(epoch=start_epoch, evaluate=True, **common.accuracy_fields(correct, total))
-        dist.destroy_process_group()
-        return
-
-    # DDP all-reduces gradients during backward, so every replica takes the same step.
-    # device_ids only for CUDA: a CPU module takes None.
-    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    # Compile the DDP-wrapped model (DDP notes): graphs split at its buckets, all-reduce overlaps.
-    if args.compile:  # .module and .no_sync() pass through to DDP: the saves stay a plain Net
-        model = torch.compile(model)
-    # One checkpoint writer in all (concurrent writes to a shared disk corrupt the file), or
-    # one per node when nodes have no shared filesystem.
-    writer = (local_rank if args.save_on_each_node else rank) == 0
-    # A scheduler's SIGTERM (the notice before it kills the job) may reach any process at any
-    # step: all of them agree on one step to stop at, so the snapshot is the same model.
-    # torchrun also sends SIGTERM to its workers when it stops them (after a failure, at a
-    # resize, on its own SIGTERM): then too they leave a snapshot at the step they reached.
-    stop = common.StopSignal()
-
-    for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch is the same
-        model.train()
-        loss_sum, seen = torch.zeros((), device=device), 0
-        timer = common.Timer(device)
-        # Resuming mid-epoch: set_epoch gives the same order as before, so skip what was done.
-        skip = start_step if epoch == start_epoch else 0
-        for step, (x, y) in enumerate(itertools.islice(loader, skip, None), skip + 1):
-            if stop():  # SIGTERM: every process stops before this step, after a snapshot
-                if writer and args.checkpoint:
-                    state = common.checkpoint_state(model.module, optimizer, scheduler, scaler,
-                                                    epoch, step - 1, args)
-                    common.save_checkpoint(state, args.checkpoint)
-                dist.barrier()  # nobody exits before the snapshot is complete
-                raise common.Preempted(args, epoch, step - 1, say=rank == 0)
-            optimizer.zero_grad(set_to_none=True)
-            scale = scaler.get_scale()
-            # --accumulate N: N micro-batches add their gradients, then one optimizer step.
-            for xk, yk, share, last in common.micro_batches(x, y, args.accumulate):
-                with common.sync_on(last, model):  # no all-reduce before the last micro-batch
-                    with torch.autocast(device.type, dtype=amp_dtype,
-                                        enabled=amp_dtype is not None):
-                        loss = F.cross_entropy(model(xk), yk, label_smoothing=0.1)
-                    scaler.scale(loss * share).backward()  # averaged over processes here
-                loss_sum += loss.detach() * len(yk)
-            scaler.step(optimizer)
-            scaler.update()
-            if scaler.get_scale() >= scale:  # fp16 skips a step with inf/NaN gradients and
-                scheduler.step()             # lowers the scale: then keep the LR where it is
-            seen += len(y)
-            if step % args.log_interval == 0:  # a collective: every process reaches it together
-                mean_loss = common.reduce_tensor(loss_sum).item() / seen
-                report.progress(epoch, step, len(loader), mean_loss,
-                                scheduler.get_last_lr()[0], timer.elapsed(), seen * world_size)
-            if writer and args.save_every and step % args.save_every == 0 and step < len(loader):
-                state = common.checkpoint_state(model.module, optimizer, scheduler, scaler,
-                                                epoch, step, args)  # mid-epoch: no barrier
-                common.save_checkpoint(state, args.checkpoint)
-        train_loss = common.reduce_tensor(loss_sum).item() / seen  # the mean over all processes
-        seconds = timer.elapsed()
-
-        correct, total = common.evaluate(model.module, test_x, test_y, rank, world_size)
-        if writer and args.checkpoint:
-            state = common.checkpoint_state(model.module, optimizer, scheduler, scaler,
-                                            epoch + 1, 0, args)
-            common.save_checkpoint(state, args.checkpoint)
-        dist.barrier()  # nobody runs ahead (or exits) before the checkpoint is complete
-        report.record(epoch=epoch + 1, train_loss=train_loss, **common.accuracy_fields(correct, total),
-                      epoch_seconds=seconds, samples_per_s=seen * world_size / seconds,
-                      data_wait=loader.wait_seconds / seconds)
-        if epoch + 1 == args.stop_after:
-            break
-
-    report.close()
-    stop.close()
+    # Elastic: a group that torchrun (re)starts continues from the snapshot, if any has one.
+    wish = common.RESUME if args.resume or args.evaluate else common.RESUME_IF_FOUND
+    trainer = Trainer(args, device, rank, world_size, local_rank, wish)
+    trainer.evaluate() if args.evaluate else trainer.train()
     dist.destroy_process_group()
+
+
+class Trainer:
+    """One process's share of the training: set-up, one step, one epoch, a snapshot."""
+
+    def __init__(self, args, device, rank, world_size, local_rank, wish):
+        self.args, self.device, self.rank, self.world_size = args, device, rank, world_size
+        self.report = common.Reporter(args, self.rank, self.world_size)
+        self.report.log(common.describe_lr(args))
+
+        # Data: the sampler deals each process its own shard (the same seed everywhere, or the
+        # shards overlap), and each process loads its part of the global batch. Augmentation
+        # is drawn per sample from (seed, epoch, index): different on every rank.
+        train_set, self.test_set = common.make_datasets(args)
+        self.train_set = common.PerSampleSeeds(train_set, args.seed)
+        self.sampler = DistributedSampler(self.train_set, num_replicas=world_size, rank=rank,
+                                          shuffle=True, seed=args.seed)
+        self.loader = DataLoader(self.train_set, batch_size=args.batch_size // world_size,
+                                 sampler=common.ResumableSampler(self.sampler),
+                                 num_workers=args.workers, pin_memory=device.type == "cuda",
+                                 collate_fn=common.collate, worker_init_fn=common.worker_init)
+        self.steps = len(self.loader)
+
+        # Model: the same seed, so the same initial weights in every process.
+        torch.manual_seed(args.seed)
+        self.layout = torch.channels_last if args.channels_last else torch.preserve_format
+        model = common.make_model(args).to(device, memory_format=self.layout)
+        if args.sync_bn:  # before the DDP wrap
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.optimizer = common.make_optimizer(model, args)
+        self.scheduler = common.make_scheduler(self.optimizer, args, self.steps)
+        self.amp = common.AMP_DTYPES[args.amp]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16: none
+
+        # Resume from --checkpoint: all processes decide together (common.agreed_checkpoint).
+        self.epoch, self.step = 0, 0
+        ckpt = common.agreed_checkpoint(args.checkpoint, wish, device, self.report.log)
+        if ckpt:
+            self.epoch, self.step = common.restore(ckpt, model, self.optimizer, self.scheduler,
+                                                   self.scaler, args.checkpoint)
+            self.report.log(f"loaded {args.checkpoint}: {self.epoch} epoch(s) + {self.step} "
+                            "step(s) trained")
+        self.lr = common.SchedulerAfterScaler(self.scheduler, self.scaler)
+
+        # DDP all-reduces the gradients during backward: every replica takes the same step.
+        self.model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        self.model = torch.compile(self.model) if args.compile else self.model  # after the wrap
+        # One writer (several writing a shared disk corrupt the file), or one per node.
+        self.writer = (local_rank if args.save_on_each_node else rank) == 0
+        # SIGTERM (a scheduler's notice): with a checkpoint, stop and save, all at one step.
+        self.stop = common.StopSignal(snapshot=bool(args.checkpoint))
+
+    def train(self):
+        for epoch in range(self.epoch, self.args.epochs):
+            self._run_epoch(epoch, first_step=self.step if epoch == self.epoch else 0)
+            if epoch + 1 == self.args.stop_after:
+                break
+        self.stop.close()
+        self.report.close()
+
+    def evaluate(self):
+        accuracy = common.accuracy_fields(*self._evaluate())
+        self.report.record(epoch=self.epoch, evaluate=True, **accuracy)
+
+    def _run_epoch(self, epoch, first_step):
+        self.sampler.set_epoch(epoch)  # a new shuffle each epoch, else every epoch is the same
+        self.train_set.set_epoch(epoch)  # and new augmentation
+        # Resuming mid-epoch: set_epoch gives the same order as before; skip what was trained.
+        self.loader.sampler.skip = first_step * self.loader.batch_size
+        self.model.train()
+        stats = common.EpochStats(self.device)
+        for step, (x, y) in enumerate(stats.timed(self.loader), first_step + 1):
+            if self.stop():  # SIGTERM: stop before this step, after a snapshot
+                self._save_snapshot(epoch, step - 1)
+                raise self.stop.stopped(self.args, epoch, step - 1)
+            self._run_batch(epoch, step, x, y, stats)
+            if step % self.args.log_interval == 0:
+                loss = common.reduce_tensor(stats.loss_sum).item() / stats.seen  # all processes
+                lr = self.scheduler.get_last_lr()[0]
+                self.report.progress(epoch, step, self.steps, loss, lr, stats)
+            if self.args.save_every and step % self.args.save_every == 0 and step < self.steps:
+                self._save_snapshot(epoch, step)
+        train_loss = common.reduce_tensor(stats.loss_sum).item() / stats.seen  # over all processes
+        speed = stats.speed(self.world_size)  # the epoch's, before the evaluation
+        accuracy = common.accuracy_fields(*self._evaluate())
+        self._save_snapshot(epoch + 1, 0)
+        self.report.record(epoch=epoch + 1, train_loss=train_loss, **accuracy, **speed)
+
+    def _run_batch(self, epoch, step, x, y, stats):
+        x = x.to(self.device, non_blocking=True, memory_format=self.layout)
+        y = y.to(self.device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        # --accumulate N: N micro-batches add their gradients, then one optimizer step.
+        for k, xk, yk, share, last in common.micro_batches(x, y, self.args.accumulate):
+            # Dropout: a different draw on every rank (the one that would take micro-batch k
+            # with N times the processes), and the same again after a resume.
+            common.seed_step(self.args.seed, epoch, step, self.rank + self.world_size * k)
+            with common.sync_on(last, self.model):  # no all-reduce before the last micro-batch
+                with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+                    loss = common.loss_fn(self.model(xk), yk)
+                self.scaler.scale(loss * share).backward()  # DDP averages the gradients here
+            stats.add(loss, len(yk))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.lr.step()  # not after a step that fp16's scaler skipped
+
+    def _evaluate(self):  # exact: every test sample counted once
+        return common.evaluate(self.model.module, self.test_set, self.device, self.loader.batch_size,
+                               self.args.workers, self.rank, self.world_size)
+
+    def _save_snapshot(self, epoch, step):
+        if self.writer and self.args.checkpoint:  # the unwrapped model: no "module." prefix
+            state = common.checkpoint_state(self.model.module, self.optimizer, self.scheduler,
+                                            self.scaler, epoch, step, self.args)
+            common.save_checkpoint(state, self.args.checkpoint)
+        dist.barrier()  # nobody runs ahead, or exits, before the snapshot is complete
 
 
 if __name__ == "__main__":
