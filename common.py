@@ -97,12 +97,10 @@ def make_datasets(args):
             y = torch.randint(0, 10, (n,), generator=g)
             return (templates[y] + torch.randn(n, 28, 28, generator=g) * 60).clamp(0, 255), y
         return InMemoryMNIST(*fake(60000)), InMemoryMNIST(*fake(10000))
-    from torchvision.datasets import MNIST
-    try:
-        train, test = (MNIST(args.data_dir, train=t, download=False) for t in (True, False))
-    except RuntimeError as e:
-        raise Fatal(f"cannot read MNIST from {args.data_dir}: {e}") from None
-    return InMemoryMNIST(train.data, train.targets), InMemoryMNIST(test.data, test.targets)
+    raw = os.path.join(args.data_dir, "MNIST", "raw")  # checked by prepare_data
+    return tuple(InMemoryMNIST(read_idx(os.path.join(raw, f"{split}-images-idx3-ubyte")),
+                               read_idx(os.path.join(raw, f"{split}-labels-idx1-ubyte")))
+                 for split in ("train", "t10k"))
 
 
 def make_model(args):
@@ -172,13 +170,13 @@ class Net(nn.Module):
 
 
 class InMemoryMNIST(Dataset):
-    """All of MNIST as normalised tensors in memory (190 MB for the training set). DataLoader
+    """MNIST as normalised tensors in memory (190 MB for the training set). DataLoader
     asks `__getitems__` for a whole batch at once, which here is one indexing operation: no
     per-image Python work (`collate` passes the batch through)."""
 
     def __init__(self, images, labels):
         self.images = ((images.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
-        self.labels = labels
+        self.labels = labels.long()
 
     def __len__(self):
         return len(self.labels)
@@ -189,6 +187,15 @@ class InMemoryMNIST(Dataset):
     def __getitems__(self, indices):
         index = torch.as_tensor(indices)
         return self.images[index], self.labels[index]
+
+
+def read_idx(path):
+    """An uncompressed IDX file (MNIST's format; check_mnist has read its header) as a tensor."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    ndim = data[3]
+    dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    return torch.frombuffer(data, dtype=torch.uint8, offset=4 + 4 * ndim).view(*dims)
 
 
 def check_mnist(raw):
@@ -823,13 +830,13 @@ def start_workers(loader):
     processes: each worker, and every thread it starts before worker_init runs (numpy's
     OpenBLAS starts one at fork), inherits the block (fork and exec keep it), and worker_init
     takes it from there."""
-    if not (loader.num_workers and hasattr(signal, "pthread_sigmask")):
-        return iter(loader)
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        return iter(loader)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    if loader.num_workers and hasattr(signal, "pthread_sigmask"):
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            return iter(loader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    return iter(loader)
 
 
 def worker_init(worker_id):
@@ -840,19 +847,17 @@ def worker_init(worker_id):
     ignores one from anybody else: the training process stops the run, and its workers with it.
     Linux (signal.sigwaitinfo, with SIGTERM blocked by start_workers); elsewhere the workers
     keep PyTorch's handler."""
-    if not hasattr(signal, "pthread_sigmask"):
-        return
-    if not hasattr(signal, "sigwaitinfo"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        return
-    parent = os.getppid()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the threads started later too
+    if hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask"):
+        parent = os.getppid()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # and in later threads
 
-    def wait_for_sigterm():
-        while True:
-            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
-                os._exit(0)  # what PyTorch's handler does for a SIGTERM from the parent
-    threading.Thread(target=wait_for_sigterm, name="sigterm", daemon=True).start()
+        def wait_for_sigterm():
+            while True:
+                if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                    os._exit(0)  # what PyTorch's handler does for a SIGTERM from the parent
+        threading.Thread(target=wait_for_sigterm, name="sigterm", daemon=True).start()
+    elif hasattr(signal, "pthread_sigmask"):  # macOS: as PyTorch has it
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def micro_batches(x, y, n):

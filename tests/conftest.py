@@ -13,6 +13,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the tests import common.py
 INSTRUMENT = Path(__file__).resolve().parent / "instrument"
 N_TRAIN, N_TEST = 600, 101  # 101 divides by neither 2 nor 3
 

@@ -55,7 +55,7 @@ def parse_args(self, *args, **kwargs):
 
 
 common.Parser.parse_args = parse_args
-common.load_mnist = started       # every training script reads its data before the first step
+common.make_datasets = started    # every training script builds its datasets before the first step
 mp.spawn = started                # spawn_ddp.py starts its workers
 subprocess.run = started          # bench.py runs the scripts
 subprocess.Popen = started

@@ -113,11 +113,11 @@ def test_sigterm_without_checkpoint_stops_cleanly(tiny_mnist):
     assert 'File "' + str(ROOT) not in r.stderr
 
 
-def test_the_switch_bench_uses_turns_the_check_off(tiny_mnist):
+def test_the_switch_bench_uses_turns_the_check_off(tiny_mnist, tmp_path):
     """Control for docs/speed.md's cost measurement: with DDP_TEST_NO_STOP the same SIGTERM
     changes nothing, the run trains to its end (so the comparison has a real "without")."""
     cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist), *map(str, ARGS),
-           "--nproc-per-node", "2", "--timeout", "30"]
+           "--nproc-per-node", "2", "--timeout", "30", "--checkpoint", str(tmp_path / "c.pt")]
     r = start_and_signal(cmd, "job", DDP_TEST_NO_STOP=1)
     assert r.returncode == 0 and "preempted" not in r.stderr, r.stderr
     assert "epoch 2 train_loss" in r.stdout

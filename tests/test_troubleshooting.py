@@ -248,22 +248,6 @@ def test_spawn_cannot_start_a_function_defined_in_main_without_a_file():
     assert {"worker 0 runs", "worker 1 runs"} <= {line for _, line in run.lines}
 
 
-# ---- 5. seeds ------------------------------------------------------------------------------
-
-def test_a_training_step_draws_no_random_numbers():
-    """Every rank seeds the same stream (common.seed_everything), which would repeat dropout
-    masks and augmentations on every rank; common.Net has neither, and a training step draws
-    nothing from the stream."""
-    common.seed_everything(0)
-    model = common.Net().train()
-    assert not any(isinstance(m, (torch.nn.modules.dropout._DropoutNd, torch.nn.AlphaDropout))
-                   for m in model.modules())
-    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
-    before = torch.get_rng_state()
-    torch.nn.functional.cross_entropy(model(x), y, label_smoothing=0.1).backward()
-    assert torch.equal(before, torch.get_rng_state())
-
-
 # ---- 6. long work on one rank --------------------------------------------------------------
 
 @pytest.mark.slow

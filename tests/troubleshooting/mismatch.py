@@ -11,6 +11,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+# Before any process group exists, as in common.py: imported later (by DDP), this module pins
+# the group and gloo's threads can abort the process at exit (tests/test_shutdown.py).
+import torch.distributed.nn  # noqa: F401
 import torch.multiprocessing as mp
 
 

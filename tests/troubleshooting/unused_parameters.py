@@ -9,6 +9,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+# Before any process group exists, as in common.py: imported later (by DDP), this module pins
+# the group and gloo's threads can abort the process at exit (tests/test_shutdown.py).
+import torch.distributed.nn  # noqa: F401
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
