@@ -3,15 +3,21 @@
 Every configuration runs through its real command line with the same seed, global batch and
 epochs, and reports through --metrics. Repetitions are interleaved (rep 1 of every
 configuration, then rep 2, ...) with seeds 0, 1, 2, ..., so slow spells of a shared machine
-hit all configurations alike; every ratio comes from this one run.
+hit all configurations alike; every ratio comes from this one run. An option given several
+values (or `both`) runs each value side by side, and the report adds the ratio of each to the
+first.
 
-    python bench.py --data-dir ../shared/data                       # the README's table
-    python bench.py --data-dir ../shared/data --amp bf16 --reps 5
+    python bench.py --data-dir ../shared/data                       # the table of docs/speed.md
+    python bench.py --data-dir ../shared/data --amp none bf16 --reps 5
     python bench.py --data-dir ../shared/data --channels-last both    # NCHW and NHWC side by side
+    python bench.py --data-dir ../shared/data --workers 0 2           # data-loading processes
+    python bench.py --data-dir ../shared/data --checkpoint both       # the SIGTERM agreement
     python bench.py --data-dir ../shared/data --compile both --epochs 2  # eager and compiled
+    python bench.py --data-dir ../shared/data --against ../old-checkout  # another commit's scripts
     python bench.py --dummy --reps 1 --scripts spawn_ddp --world-sizes 1 2
 """
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -29,39 +35,42 @@ import common
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = ("dp_baseline", "spawn_ddp", "torchrun_ddp", "apex_ddp")
 TARGET = 99.0  # test accuracy, percent
-CL = " +channels_last"  # the row label of a run with --channels-last
-COMPILED = "+compile"  # ... with --compile
-ENV = "+env"  # ... and of a run with the --with-env variables
+ENV = "+env"  # the row label of a run with the --with-env variables
+BOTH = {"off": [False], "on": [True], "both": [False, True]}
 
 
-def command(script, world_size, amp):
+def command(script, world_size, amp, repo):
     """The real command line of one launch style at one world size and precision (None: not
     applicable)."""
     if script == "dp_baseline":
-        return [sys.executable, "dp_baseline.py", "--amp", amp] if world_size == 1 else None
+        return [sys.executable, f"{repo}/dp_baseline.py", "--amp", amp] if world_size == 1 else None
     if script == "spawn_ddp":
-        return [sys.executable, "spawn_ddp.py", "--nproc-per-node", str(world_size), "--amp", amp]
+        return [sys.executable, f"{repo}/spawn_ddp.py", "--nproc-per-node", str(world_size),
+                "--amp", amp]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={world_size}"]
     if script == "torchrun_ddp":
-        return [*torchrun, "torchrun_ddp.py", "--amp", amp]
+        return [*torchrun, f"{repo}/torchrun_ddp.py", "--amp", amp]
     # apex_ddp.py picks precision by --opt-level: O0 is fp32; natively O1 is fp16 on GPUs, bf16
     # on a CPU with bf16 instructions and fp32 on other CPUs
     native_o1 = ("fp16" if torch.cuda.is_available() else
                  "bf16" if common.fast_bf16_cpu() else "none")
     if amp not in ("none", native_o1):
         return None
-    return [*torchrun, "apex_ddp.py", "--opt-level", "O0" if amp == "none" else "O1"]
+    return [*torchrun, f"{repo}/apex_ddp.py", "--opt-level", "O0" if amp == "none" else "O1"]
 
 
-def run_once(cmd, threads, args, seed, batch, rule, env):
+def run_once(cmd, threads, args, seed, v):
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
         data = ["--dummy"] if args.dummy else ["--data-dir", args.data_dir]
         full = [*cmd, *data, "--seed", str(seed), "--epochs", str(args.epochs),
-                "--batch-size", str(batch), "--lr-scaling", rule, "--log-interval", str(10 ** 9),
-                "--metrics", str(metrics)]
-        env = dict(os.environ, **env, OMP_NUM_THREADS=str(threads))  # the same for every launcher
+                "--batch-size", str(v["batch"]), "--lr-scaling", v["rule"],
+                "--log-interval", str(10 ** 9), "--metrics", str(metrics)]
+        full += ["--channels-last"] * v["channels_last"] + ["--compile"] * v["compile"]
+        full += ["--workers", str(v["workers"])] if v["workers"] is not None else []
+        full += ["--checkpoint", f"{tmp}/c.pt"] if v["checkpoint"] else []
+        env = dict(os.environ, **v["env"], OMP_NUM_THREADS=str(threads))  # alike for all
         start = time.perf_counter()
         p = subprocess.run(full, cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=args.timeout)
@@ -125,6 +134,14 @@ def main():
     p.add_argument("--lr-scaling", nargs="+", choices=list(common.LR_RULES), default=["sqrt"],
                    help="LR rule(s) to compare (default: sqrt); with several batch sizes or "
                    "rules the report adds test accuracy after every epoch")
+    p.add_argument("--workers", nargs="+", type=common.natural_int, help="--workers of the "
+                   "scripts; several values run side by side (default: the scripts' own)")
+    p.add_argument("--checkpoint", choices=["off", "on", "both"], default="off",
+                   help="run with --checkpoint (a file in a temporary folder), which also turns "
+                   "on the per-step SIGTERM agreement: off, on, or both side by side (default: off)")
+    p.add_argument("--against", metavar="DIR", help="also run every configuration with the "
+                   "scripts in DIR (e.g. a git worktree of another commit), side by side (rows "
+                   "marked @DIR)")
     p.add_argument("--with-env", metavar="'NAME=VALUE ...'", help="also run every configuration "
                    "with these environment variables set, side by side (rows marked +env)")
     p.add_argument("--reps", type=common.positive_int, default=5, help="repetitions, seeds "
@@ -146,25 +163,25 @@ def main():
     except ValueError:
         raise common.Fatal(f"--with-env {args.with_env!r}: expected NAME=VALUE pairs") from None
 
-    # A configuration: (script, variant, processes). Variants differ in one setting each.
-    layouts = {"off": [False], "on": [True], "both": [False, True]}[args.channels_last]
+    if args.against and not (Path(args.against) / "spawn_ddp.py").exists():
+        raise common.Fatal(f"--against {args.against}: no spawn_ddp.py there")
+
+    # A variant: one value of every option; those with several values run side by side.
+    options = {"amp": args.amp, "channels_last": BOTH[args.channels_last],
+               "batch": args.batch_size, "rule": args.lr_scaling,
+               "compile": BOTH[args.compile], "workers": args.workers or [None],
+               "checkpoint": BOTH[args.checkpoint],
+               "env": [{}, extra_env] if extra_env else [{}],
+               "repo": [str(ROOT)] + ([args.against] if args.against else [])}
     several = len(args.batch_size) > 1 or len(args.lr_scaling) > 1
-    compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    variants = {}  # label -> (channels_last, batch, rule, environment, amp, compile)
-    for env in [{}, extra_env] if extra_env else [{}]:
-        for amp in args.amp:
-            for cl in layouts:
-                for batch in args.batch_size:
-                    for rule in args.lr_scaling:
-                        for comp in compiles:
-                            label = " ".join(filter(None, [
-                                f"{amp}" if len(args.amp) > 1 else "",
-                                f"batch {batch} {rule}" if several else "",
-                                CL.strip() if cl else "", COMPILED if comp else "",
-                                ENV if env else ""]))
-                            variants[label] = (cl, batch, rule, env, amp, comp)
+    variants = {}  # label -> {option: value}
+    for values in itertools.product(*options.values()):
+        v = dict(zip(options, values))
+        variants[label(v, options, several)] = v
     configs = [(s, v, n) for v in variants for s in args.scripts for n in args.world_sizes
-               if command(s, n, variants[v][4]) is not None and variants[v][1] % n == 0]
+               if command(s, n, variants[v]["amp"], ROOT) is not None
+               and variants[v]["batch"] % n == 0
+               and not (s == "dp_baseline" and variants[v]["compile"])]  # DDP scripts only
     if not configs:
         raise common.Fatal("no script runs at these world sizes with this --amp")
     results = {c: [] for c in configs}
@@ -173,11 +190,10 @@ def main():
         return max(1, common.cpu_count() // n)
     for rep in range(args.reps):
         for s, v, n in configs:
-            cl, batch, rule, env, amp, comp = variants[v]
             print(f"rep {rep + 1}/{args.reps}: {f'{s} {v}'.strip()} x{n}", file=sys.stderr,
                   flush=True)
-            cmd = command(s, n, amp) + ["--channels-last"] * cl + ["--compile"] * comp
-            results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, batch, rule, env))
+            cmd = command(s, n, variants[v]["amp"], variants[v]["repo"])
+            results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, variants[v]))
 
     def name(s, v):
         return f"{s} {v}".strip()
@@ -185,8 +201,10 @@ def main():
     print(f"Work: {'synthetic data' if args.dummy else 'MNIST'}, {args.epochs} epoch(s), global "
           f"batch {' '.join(map(str, args.batch_size))}, --lr-scaling "
           f"{' '.join(args.lr_scaling)}, --amp {' '.join(args.amp)}, --channels-last {args.channels_last}, "
-          f"--compile {args.compile}, {args.reps} seed(s) per row; median (min-max)"
-          + (f"; {ENV}: {args.with_env}" if extra_env else "") + "\n")
+          f"--compile {args.compile}, --workers {' '.join(map(str, args.workers or ['default']))}, "
+          f"--checkpoint {args.checkpoint}, {args.reps} seed(s) per row; median (min-max)"
+          + (f"; {ENV}: {args.with_env}" if extra_env else "")
+          + (f"; @{args.against}: the scripts there" if args.against else "") + "\n")
     print(f"| script | processes x threads | s to {TARGET:g}% | test acc. mean (worst) | "
           "epoch s | samples/s | data wait | DDP efficiency | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -210,7 +228,7 @@ def main():
               + " | ".join(f"epoch {e + 1}" for e in range(args.epochs)) + " | epoch s |")
         print("|---|---|---|---|---|" + "---|" * args.epochs + "---|")
         for (s, v, n), rs in results.items():
-            _, batch, rule, _, _, _ = variants[v]
+            batch, rule = variants[v]["batch"], variants[v]["rule"]
             lr = common.build_parser("").get_default("lr")  # the scripts' --lr
             peak = common.peak_lr(argparse.Namespace(lr=lr, batch_size=batch, lr_scaling=rule))
             cells = [f"{statistics.mean(a):.2f} ({min(a):.2f})"
@@ -235,28 +253,42 @@ def main():
             if r and not torch.cuda.is_available():  # on CPU dp_baseline is the bare loop
                 lines.append(f"- {name(s, v)} at world size 1 / the same loop without DDP "
                              f"(dp_baseline on CPU): {r}")
-    for s, v, n in results:
-        amp = variants[v][4]
-        if len(args.amp) > 1 and amp != "none":  # the same configuration in fp32
-            plain = " ".join(["none", *v.split(" ")[1:]])
-            r = ratio((s, v, n), (s, plain, n))
-            if r:
-                lines.append(f"- {name(s, v)} x{n}: epoch time with --amp {amp} / in fp32: {r}")
-        if variants[v][5] and not variants[v][3]:  # --compile, against the same run without
-            plain = " ".join(w for w in v.split(" ") if w != COMPILED)
-            if (s, plain, n) in results:
+    for s, v, n in results:  # each option's other values against its first, all else alike
+        for option, values in options.items():
+            first = dict(variants[v], **{option: values[0]})
+            plain = label(first, options, several)
+            if variants[v][option] == values[0] or (s, plain, n) not in results:
+                continue
+            if option == "compile":
                 lines.append(f"- {name(s, plain)} x{n}: " + compile_cost(results[(s, v, n)],
                                                                          results[(s, plain, n)]))
-        for suffix, what in ((CL.strip(), "--channels-last"), (ENV, ENV)):
-            if v.endswith(suffix):
-                plain = v[:-len(suffix)].strip()
-                r = ratio((s, v, n), (s, plain, n))
-                if r:
-                    lines.append(f"- {name(s, plain)} x{n}: epoch time with {what} / without: {r}")
+                continue
+            what, without = {
+                "amp": (f"--amp {variants[v]['amp']}", f"--amp {values[0]}"),
+                "channels_last": ("--channels-last", "without"),
+                "workers": (f"--workers {variants[v]['workers']}", f"--workers {values[0]}"),
+                "checkpoint": ("--checkpoint (the SIGTERM agreement)", "without"),
+                "env": (ENV, "without"), "repo": (f"the scripts here", f"@{args.against}"),
+                "batch": (f"batch {variants[v]['batch']}", f"batch {values[0]}"),
+                "rule": (variants[v]["rule"], values[0])}[option]
+            without = without if without == "without" else f"with {without}"
+            r = ratio((s, v, n), (s, plain, n))
+            lines.append(f"- {name(s, plain)} x{n}: epoch time with {what} / {without}: {r}")
     if lines:
         print("\nRatios of median epoch times, from this run:\n" + "\n".join(lines))
     if args.png:
         save_chart(results, args.png, f"{machine()}\n--amp {' '.join(args.amp)}, {args.reps} seed(s)")
+
+
+def label(v, options, several):
+    """A variant's row label: the values of the options that have several, in words."""
+    parts = [v["amp"] if len(options["amp"]) > 1 else "",
+             f"batch {v['batch']} {v['rule']}" if several else "",
+             "+channels_last" if v["channels_last"] else "", "+compile" if v["compile"] else "",
+             f"workers {v['workers']}" if len(options["workers"]) > 1 else "",
+             "+checkpoint" if v["checkpoint"] else "", ENV if v["env"] else "",
+             f"@{v['repo']}" if v["repo"] != options["repo"][0] else ""]
+    return " ".join(filter(None, parts))
 
 
 def compile_cost(compiled, eager):

@@ -9,6 +9,7 @@
 
 How processes start and find each other lives in the scripts, never here."""
 import argparse
+import collections
 import contextlib
 import hashlib
 import io
@@ -234,12 +235,24 @@ def distributed():
     return dist.is_available() and dist.is_initialized()
 
 
+# Torch before 2.8 (seen on 2.4 and 2.5: half of 10 evaluations at 3 processes hung on 2.4.1):
+# destroy_process_group can deadlock when a gloo thread drops the last reference to the tensor
+# of a recent collective while the main thread, holding the GIL, waits for that thread
+# (pytorch/pytorch#154976). The tensors of the last collectives stay referenced here.
+_recent = collections.deque(maxlen=64)
+
+
+def kept(t):
+    _recent.append(t)
+    return t
+
+
 def reduce_tensor(t):
     """Mean of `t` over all processes (a copy); `t` itself when there is no process group.
-    SUM, then divide: gloo has no ReduceOp.AVG before torch 2.6."""
+    SUM, then divide: gloo has no ReduceOp.AVG in torch 2.4 and 2.5."""
     if not distributed():
         return t
-    t = t.clone()
+    t = kept(t.clone())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t / dist.get_world_size()
 
@@ -256,7 +269,7 @@ def evaluate(model, test_set, device, batch_size, workers=0, rank=0, world_size=
     shard = Subset(test_set, range(rank, len(test_set), world_size))
     loader = DataLoader(shard, batch_size=batch_size, num_workers=workers, collate_fn=collate,
                         pin_memory=device.type == "cuda", worker_init_fn=worker_init)
-    counts = torch.zeros(2, dtype=torch.long, device=device)
+    counts = kept(torch.zeros(2, dtype=torch.long, device=device))
     for x, y in start_workers(loader):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         counts[0] += (model(x).argmax(1) == y).sum()
@@ -349,8 +362,8 @@ def agreed_checkpoint(path, wish, device, log=print):
     if not distributed():
         everyone = [(wish, *position)]
     else:
-        mine = torch.tensor([wish, *position], dtype=torch.long, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        mine = kept(torch.tensor([wish, *position], dtype=torch.long, device=device))
+        gathered = [kept(torch.empty_like(mine)) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, mine)
         everyone = [tuple(t.tolist()) for t in gathered]
     wish = max(w for w, _, _ in everyone)
@@ -368,7 +381,7 @@ def agreed_checkpoint(path, wish, device, log=print):
         if dist.get_rank() == source:
             with open(path, "rb") as f:
                 data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).to(device)
-        size = torch.tensor([len(data) if data is not None else 0], device=device)
+        size = kept(torch.tensor([len(data) if data is not None else 0], device=device))
         dist.broadcast(size, src=source)
         if data is None:
             data = torch.empty(int(size), dtype=torch.uint8, device=device)
@@ -386,8 +399,9 @@ def agreed_checkpoint(path, wish, device, log=print):
 # ---- Errors: one line each, never a traceback -----------------------------------------------
 
 # gloo's RuntimeErrors for a peer that died or stopped answering: most name a gloo source file;
-# a timeout while a rank waits may also end as "Application timeout caused pair closure".
-GLOO_LOST_PEER = ("/gloo/", "Application timeout caused pair closure")
+# a timeout while a rank waits may also end as "Application timeout caused pair closure", and a
+# process that waits in init_process_group for one that never comes gets "Wait timeout".
+GLOO_LOST_PEER = ("/gloo/", "Application timeout caused pair closure", "Wait timeout")
 PREEMPTED = 143  # exit code after a SIGTERM: 128 + 15, what shells report for "terminated"
 
 
@@ -495,27 +509,27 @@ def build_parser(description, processes=True):
     out those that only mean something with several processes."""
     p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--epochs", type=positive_int, default=1, help="epochs the LR schedule spans (default: 1)")
+    a("--epochs", type=positive_int, default=1, help="epochs the LR schedule spans (default: %(default)s)")
     a("--stop-after", type=positive_int, metavar="EPOCH", help="end this run after this epoch, "
       "keeping the schedule of --epochs (continue later with --resume)")
     a("--batch-size", type=positive_int, default=256, help="GLOBAL batch over all processes; "
-      "each takes batch-size / world-size (default: 256)")
+      "each takes batch-size / world-size (default: %(default)s)")
     a("--accumulate", type=positive_int, default=1, metavar="N", help="N forward and backward "
       "passes (micro-batches) per optimizer step, the gradients all-reduced once per step; "
-      "--batch-size stays the global batch of one step (default: 1)")
+      "--batch-size stays the global batch of one step (default: %(default)s)")
     a("--workers", type=natural_int, default=0, metavar="N", help="data-loading processes per "
       "training process; 0 loads in the training process, which serves in-memory MNIST best "
-      "(default: 0)")
+      "(default: %(default)s)")
     a("--lr", type=positive_float, default=0.01, help=f"peak learning rate at a global batch of "
-      f"{REFERENCE_BATCH}, scaled to --batch-size by --lr-scaling (default: 0.01)")
+      f"{REFERENCE_BATCH}, scaled to --batch-size by --lr-scaling (default: %(default)s)")
     a("--lr-scaling", choices=list(LR_RULES), default="sqrt", help="how the LR follows the "
-      "global batch: sqrt (Adam, used here), linear (SGD), none (--lr as given) (default: sqrt)")
+      "global batch: sqrt (Adam, used here), linear (SGD), none (--lr as given) (default: %(default)s)")
     a("--warmup-epochs", type=natural_float, default=0.2, help="linear LR warmup, in epochs, "
-      f"at least {MIN_WARMUP_STEPS} steps (default: 0.2)")
+      f"at least {MIN_WARMUP_STEPS} steps (default: %(default)s)")
     a("--seed", type=ranged(int, lambda v: 0 <= v < 2 ** 63, "an integer 0 to 2**63-1"),
-      default=0, help="seed for weights, shuffling, augmentation and dropout (default: 0)")
+      default=0, help="seed for weights, shuffling, augmentation and dropout (default: %(default)s)")
     a("--amp", choices=list(AMP_DTYPES), default="none", help="mixed precision: torch.autocast "
-      "with this dtype; fp16 adds a GradScaler (default: none)")
+      "with this dtype; fp16 adds a GradScaler (default: %(default)s)")
     a("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm (CUDA only)")
     a("--channels-last", action="store_true", help="conv weights and input batches in "
       "channels_last (NHWC) memory format: faster convolutions on CPU here (docs/speed.md)")
@@ -525,7 +539,7 @@ def build_parser(description, processes=True):
       "a SIGTERM stops every process at the same step and saves there")
     a("--save-every", type=natural_int, default=0, metavar="STEPS", help="also write "
       "--checkpoint every this many steps inside an epoch; a resume continues from that step "
-      "(default: 0, off)")
+      "(default: %(default)s)")
     if processes:
         a("--save-on-each-node", action="store_true", help="one checkpoint writer per node "
           "(local rank 0) instead of one in all, for nodes without a shared filesystem")
@@ -534,13 +548,13 @@ def build_parser(description, processes=True):
     a("--metrics", metavar="PATH", help="append one JSON object per epoch (rank 0)")
     a("--tensorboard", metavar="DIR", help="write scalars for TensorBoard (rank 0)")
     a("--log-interval", type=positive_int, default=50, metavar="STEPS",
-      help="progress line every this many steps (default: 50)")
+      help="progress line every this many steps (default: %(default)s)")
     if processes:
         a("--timeout", type=positive_float, default=600, metavar="SECONDS", help="how long a "
           "collective waits for the slowest process, e.g. while rank 0 writes a checkpoint, "
-          "before the job fails (default: 600)")
+          "before the job fails (default: %(default)s)")
         a("--join-timeout", type=positive_float, default=60, metavar="SECONDS", help="how long "
-          "the processes wait for each other at start-up (default: 60)")
+          "the processes wait for each other at start-up (default: %(default)s)")
     else:
         p.set_defaults(save_on_each_node=False, timeout=None, join_timeout=None)
     add_task_flags(p)  # last: a task may also change the defaults above (set_defaults)
@@ -548,12 +562,13 @@ def build_parser(description, processes=True):
 
 
 def check_args(args, world_size, local_processes, one_node=True, process_group=True,
-               notes=True, cuda=None):
+               elastic=False, notes=True, cuda=None):
     """Refuse combinations that cannot work, up front, in the launching process.
     `local_processes`: the training processes on this machine, one per GPU where there are GPUs.
     `one_node`: every process runs here, so a checkpoint to resume from must be here too (with
     several nodes, any node's copy will do: agreed_checkpoint). `process_group`: False for one
-    process without one (DataParallel). `notes`: this process may print notes. `cuda`: whether
+    process without one (DataParallel). `elastic`: the script resumes whenever it finds
+    --checkpoint (torchrun_ddp.py). `notes`: this process may print notes. `cuda`: whether
     to train on CUDA (default: where there is a GPU)."""
     gpus = torch.cuda.device_count()
     cuda = gpus > 0 if cuda is None else cuda
@@ -593,8 +608,8 @@ def check_args(args, world_size, local_processes, one_node=True, process_group=T
         raise Fatal("--resume, --evaluate and --save-every need --checkpoint PATH")
     if (args.evaluate or args.resume) and one_node and not os.path.exists(args.checkpoint):
         raise Fatal(f"no checkpoint at {args.checkpoint}")
-    if args.checkpoint and os.path.exists(args.checkpoint) and not os.path.isdir(args.checkpoint):
-        # a bad checkpoint fails here, once, not in every process
+    if (args.evaluate or args.resume or elastic) and args.checkpoint \
+            and os.path.isfile(args.checkpoint):  # a bad checkpoint fails here, not in every process
         load_model_state(make_model(args), load_checkpoint(args.checkpoint)["model"],
                          args.checkpoint)
     if notes and args.amp != "none" and not cuda and not (args.amp == "bf16" and fast_bf16_cpu()):
@@ -727,6 +742,25 @@ def on_loopback():
         os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
 
 
+def loopback_store(port, world_size, is_master, timeout):
+    """A TCP store that listens on 127.0.0.1 only, for processes that all run on this machine.
+    TCPStore listens on every interface whatever address it is given (pytorch/pytorch#173909):
+    its host gets a socket already bound to loopback instead (docs/security.md)."""
+    listening = None
+    if is_master:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            listening = s.detach()
+    try:
+        return dist.TCPStore("127.0.0.1", port, world_size, is_master, timeout=timeout,
+                             master_listen_fd=listening)
+    except NotImplementedError:  # torch < 2.6: libuv's store takes no socket; the older one does
+        return dist.TCPStore("127.0.0.1", port, world_size, is_master, timeout=timeout,
+                             master_listen_fd=listening, use_libuv=False)
+
+
 def check_port_free(port):
     """Whether the store can listen on `port`. With SO_REUSEADDR, as the store's own socket
     has: the connections of a run that just ended (TIME_WAIT, a minute or two) do not count."""
@@ -740,15 +774,20 @@ def check_port_free(port):
                         "--master-port") from None
 
 
-def same_on_every_node(store, name, value, node_rank, nnodes):
-    """Every node publishes its `value` in the store and reads the others': a job whose nodes
-    disagree (e.g. different --nproc-per-node, so that ranks would collide) fails on every node
-    with one line, before the process group forms."""
-    store.set(f"{name}/{node_rank}", str(value))
-    values = [store.get(f"{name}/{n}").decode() for n in range(nnodes)]
-    if len(set(values)) > 1:
-        raise Fatal(f"every node must run the same {name}: node(s) 0..{nnodes - 1} have "
-                    f"{', '.join(values)}")
+def same_nproc_on_every_node(store, nproc, node_rank, nnodes, rank):
+    """Every node publishes its number of processes in the store and reads the others': nodes
+    that disagree would compute colliding global ranks. Then every process of every node fails
+    with one line, before the process group forms; rank 0, which hosts the store, waits until
+    all have read it."""
+    store.set(f"nproc/{node_rank}", str(nproc))
+    counts = [int(store.get(f"nproc/{n}")) for n in range(nnodes)]
+    if len(set(counts)) > 1:
+        store.add("nproc/read", 1)
+        deadline = time.monotonic() + store.timeout.total_seconds()
+        while rank == 0 and store.add("nproc/read", 0) < sum(counts) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raise Fatal(f"every node must run the same --nproc-per-node; nodes 0..{nnodes - 1} "
+                    f"run {', '.join(map(str, counts))}")
 
 
 # ---- Data loading: the pieces of the DataLoader path that make it exact under DDP ----------
@@ -909,19 +948,20 @@ class StopSignal:
     all stop together, one or two steps after the signal. The sum goes through gloo on the CPU
     (a gloo side group when training uses NCCL), so reading it never waits for the GPU."""
 
-    def __init__(self, snapshot, rank=0):
+    def __init__(self, snapshot):
         self.received = self.agreed = False
         self.flag, self.pending, self.group = torch.zeros(1), None, None
         self.distributed = snapshot and distributed() and dist.get_world_size() > 1
         if self.distributed and dist.get_backend() != "gloo":
             self.group = dist.new_group(backend="gloo")
-        self.rank = rank
+        self.rank = dist.get_rank() if distributed() else 0
         signal.signal(signal.SIGTERM, self._received if snapshot else self._stop_now)
 
     def _received(self, signum, frame):
         self.received = True
 
     def _stop_now(self, signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already: once is enough
         raise Preempted("stopped on SIGTERM; nothing saved (no --checkpoint)"
                         if self.rank == 0 else "")
 

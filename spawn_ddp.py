@@ -72,7 +72,7 @@ def train(local_rank, nproc, store_file, args):
     else:  # a TCP store that rank 0 hosts on node 0 (on every interface: docs/security.md)
         store = dist.TCPStore(args.master_addr or "127.0.0.1", args.master_port,
                               is_master=rank == 0, timeout=timedelta(seconds=args.join_timeout))
-        common.same_on_every_node(store, "--nproc-per-node", nproc, args.node_rank, args.nnodes)
+        common.same_nproc_on_every_node(store, nproc, args.node_rank, args.nnodes, rank)
     # NCCL between GPUs, gloo between CPUs; --timeout: how long a collective waits for the rest.
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=args.timeout))

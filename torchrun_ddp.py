@@ -38,7 +38,7 @@ def main():
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))  # the old launcher: flag
     common.check_args(args, world_size=world_size, local_processes=nproc,
-                      one_node=nproc == world_size, notes=local_rank == 0)
+                      one_node=nproc == world_size, elastic=True, notes=local_rank == 0)
     # GROUP_RANK: torchrun's index of this machine; its node 0 holds global rank 0.
     common.check_outputs(args, int(os.environ.get("GROUP_RANK", 0)), notes=local_rank == 0)
     train(local_rank, nproc, args)
@@ -53,7 +53,11 @@ def train(local_rank, nproc, args):
     # Meet the others through a store, or give up after --join-timeout.
     if nproc == world_size:  # one machine
         common.on_loopback()  # gloo's and NCCL's own sockets (torchrun's: docs/security.md)
-    if "RANK" in os.environ:  # torchrun's agent hosts it at MASTER_ADDR:MASTER_PORT. Keys are
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and nproc == world_size:
+        # the agent shares no store (docs/security.md): rank 0 hosts one on loopback
+        store = common.loopback_store(int(os.environ["MASTER_PORT"]), world_size, rank == 0,
+                                      timeout=timedelta(seconds=args.join_timeout))
+    elif "RANK" in os.environ:  # torchrun's agent hosts it at MASTER_ADDR:MASTER_PORT. Keys are
         # prefixed with the restart count: after a restart the store still holds the dead
         # round's addresses, and gloo may try to connect to them (pytorch/pytorch#167288).
         store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))

@@ -73,10 +73,10 @@ def script_env(record=None, block=None, pythonpath=(), gpus=False, **extra):
 
 
 def run_script(script, *args, timeout=120, record=None, block=None, check=True, launcher=(),
-               cwd=ROOT, allow=None, pythonpath=(), gpus=False, **extra_env):
-    """Run a script of the repo (under `launcher`, e.g. torchrun's module) as its own process
-    group; kill the group on timeout."""
-    cmd = [sys.executable, *map(str, launcher), str(ROOT / script), *map(str, args)]
+               cwd=ROOT, allow=None, pythonpath=(), gpus=False, repo=ROOT, **extra_env):
+    """Run a script of the repo (or of a copy of it, `repo`: with_task) under `launcher` (e.g.
+    torchrun's module) as its own process group; kill the group on timeout."""
+    cmd = [sys.executable, *map(str, launcher), str(Path(repo) / script), *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=cwd, env=script_env(record, block, pythonpath, gpus,
                                                          **extra_env),
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -92,6 +92,18 @@ def run_script(script, *args, timeout=120, record=None, block=None, check=True, 
         pytest.fail(f"{script} exited {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}")
     assert_no_deprecation_warnings(out + err, allow)
     return result
+
+
+def with_task(folder, code):
+    """A copy of the repo's scripts in `folder` with `code` appended to its common.py: a task
+    of one's own, set up the way docs/your-own-task.md says."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in ROOT.glob("*.py"):
+        (folder / f.name).write_text(f.read_text())
+    with open(folder / "common.py", "a") as f:
+        f.write("\n\n" + code)
+    return folder
 
 
 def assert_no_deprecation_warnings(text, allow=None):

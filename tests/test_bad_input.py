@@ -65,6 +65,10 @@ def rows(tmp, data):
         (SCRIPTS, ["--data-dir", "/dev/null"], {}, "/dev/null"),
         (DDP, ["--timeout", "0"], {}, "--timeout"),
         (DDP, ["--timeout", "-5"], {}, "--timeout"),
+        (DDP, ["--join-timeout", "0"], {}, "--join-timeout"),
+        (DDP, ["--join-timeout", "soon"], {}, "--join-timeout"),
+        (SCRIPTS, ["--workers", "-1"], {}, "--workers"),
+        (SCRIPTS, ["--workers", "two"], {}, "--workers"),
         (("spawn_ddp.py",), ["--batch-size", "255"], {}, "--batch-size 255"),  # 2 processes
         (("torchrun_ddp.py", "apex_ddp.py"), ["--batch-size", "255"], {"WORLD_SIZE": "2"},
          "--batch-size 255"),
@@ -82,6 +86,7 @@ def rows(tmp, data):
         (("spawn_ddp.py",), ["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1",
                              "--master-port", "29999"], {}, "--node-rank"),
         (("spawn_ddp.py",), ["--nnodes", "2", "--node-rank", "1"], {}, "--master-addr"),
+        (("spawn_ddp.py",), ["--nnodes", "2", "--master-port", "29999"], {}, "--master-addr"),
         (("spawn_ddp.py",), ["--master-port", "0"], {}, "--master-port"),
         (("spawn_ddp.py",), ["--master-port", "70000"], {}, "--master-port"),
         (("torchrun_ddp.py", "apex_ddp.py"), ["--local-rank", "-1"], {}, "--local-rank"),
@@ -89,7 +94,10 @@ def rows(tmp, data):
         (("apex_ddp.py",), ["--amp", "bf16"], {}, "--opt-level"),
         (("dp_baseline.py",), ["--gpus", "x"], {}, "--gpus"),
         (("dp_baseline.py",), ["--gpus", "7"], {}, "--gpus"),
+        (("dp_baseline.py",), ["--gpus", "0,x"], {}, "--gpus"),
+        (("dp_baseline.py",), ["--compile"], {}, "--compile"),  # DataParallel: not documented
         (("dp_baseline.py",), ["--timeout", "5"], {}, "--timeout"),  # one process: no peers
+        (("dp_baseline.py",), ["--join-timeout", "5"], {}, "--join-timeout"),
         (("dp_baseline.py",), ["--save-on-each-node"], {}, "--save-on-each-node"),
         (("bench.py",), ["--reps", "0"], {}, "--reps"),
         (("bench.py",), ["--epochs", "0"], {}, "--epochs"),

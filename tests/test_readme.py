@@ -1,7 +1,8 @@
-"""The README stays true without a person re-auditing it: its flags table matches every parser
-(names, defaults, which scripts), every test name, file and link it cites exists, and every
-command in its code blocks (and in docs/*.md) parses with the real parser of the program it
-runs. The scripts' parsers are read through tests/run_mains.py (describe and parse modes), so a
+"""The README and docs/ stay true without a person re-auditing them: the flags table
+(docs/flags.md) matches every parser (names, defaults, which scripts), every test name, file
+and link they cite exists, the README's links into the scripts point at the lines they name,
+and every command in their code blocks parses with the real parser of the program it runs.
+The scripts' parsers are read through tests/run_mains.py (describe and parse modes), so a
 command is checked without running anything."""
 import functools
 import re
@@ -24,8 +25,8 @@ def readme():
 
 
 def flags_table():
-    """{flag: (default cell, scripts)} from the README's "### Flags" table."""
-    section = readme().split("### Flags", 1)[1].split("\n#", 1)[0]
+    """{flag: (default cell, scripts)} from the table of docs/flags.md."""
+    section = (ROOT / "docs" / "flags.md").read_text()
     table = {}
     for line in section.splitlines():
         if not line.startswith("| `--"):
@@ -44,15 +45,37 @@ def test_flags_table_matches_every_parser():
         [r] = run_mains(script, [{"argv": [], "mode": "describe"}])
         for options, default, takes_value in r["flags"]:
             for flag in options:
-                assert flag in table, f"{script} {flag} is not in the README's flags table"
+                assert flag in table, f"{script} {flag} is not in docs/flags.md's table"
                 cell, scripts = table[flag]
-                assert script in scripts, f"README: {flag} not marked for {script}"
+                assert script in scripts, f"docs/flags.md: {flag} not marked for {script}"
                 expected = ("-" if default is None else str(default)) if takes_value else "off"
-                assert cell == expected, f"README: {flag} default {cell!r}, {script}: {expected!r}"
+                assert cell == expected, f"docs/flags.md: {flag} default {cell!r}, {script}: {expected!r}"
                 seen.add((flag, script))
     for flag, (_, scripts) in table.items():
         for script in scripts:
-            assert (flag, script) in seen, f"README lists {flag} for {script}, which has no such flag"
+            assert (flag, script) in seen, f"docs/flags.md lists {flag} for {script}, which has no such flag"
+
+
+def test_readme_links_point_at_the_ddp_lines():
+    """Each row of the README's "From one process to DDP" table names the code (its first
+    backticked text) that the lines it links to in spawn_ddp.py and torchrun_ddp.py contain."""
+    rows = [line for line in readme().split("## From one process to DDP", 1)[1]
+            .split("\n## ", 1)[0].splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(rows) >= 8
+    for row in rows:
+        code = re.search(r"`([^`]+)`", row).group(1)
+        links = re.findall(r"\]\(([\w.]+\.py)#L(\d+)\)", row)
+        assert {f for f, _ in links} == {"spawn_ddp.py", "torchrun_ddp.py"}, row
+        for name, line in links:
+            text = (ROOT / name).read_text().splitlines()[int(line) - 1]
+            assert code in text, f"README: {name}#L{line} is {text.strip()!r}, not {code!r}"
+
+
+def test_readme_is_a_first_page():
+    """At most 300 lines, and the Python block of the DDP changes on its first screen."""
+    lines = readme().splitlines()
+    assert len(lines) <= 300
+    assert lines.index("```python") < 40
 
 
 def test_every_cited_test_exists():
@@ -81,7 +104,9 @@ def test_every_cited_path_and_link_exists():
             else:
                 path, _, anchor = target.partition("#")
                 assert (page.parent / path).exists(), f"{page.name}: link to missing {path}"
-                if anchor:
+                if path.endswith(".py"):  # a line: test_readme_links_point_at_the_ddp_lines
+                    assert re.fullmatch(r"L\d+", anchor), f"{page.name}: {target}"
+                elif anchor:
                     theirs = (page.parent / path).read_text()
                     assert anchor in {github_anchor(h) for h in re.findall(r"^#+ (.+)$", theirs, re.M)}, \
                         f"{page.name}: no heading for the link {target}"

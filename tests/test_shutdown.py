@@ -9,7 +9,7 @@ thread is left in any worker when its script has returned (recorded at atexit by
 tests/instrument)."""
 import pytest
 
-from conftest import read_records, run_script
+from conftest import ROOT, read_records, run_script
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 RUNS = {  # script: (launcher, extra flags, blocked import)
@@ -41,5 +41,18 @@ def test_no_gloo_thread_outlives_the_script(tiny_mnist, tmp_path, script):
                launcher=launcher, block=block, record=tmp_path)
     exits = read_records(tmp_path, "exit")
     assert sorted(e["rank"] for e in exits) == [0, 1]  # both workers got to the end
+    for e in exits:
+        assert not gloo_threads(e), e
+
+
+def test_the_troubleshooting_programs_shut_gloo_down_too(tmp_path):
+    """tests/troubleshooting/unused_parameters.py starts its own gloo group (docs quote it): it
+    imports torch.distributed.nn before the group exists, as common.py does, or its gloo
+    threads outlive it and a CI run aborted with "terminate called without an active
+    exception"."""
+    run_script(ROOT / "tests" / "troubleshooting" / "unused_parameters.py", record=tmp_path,
+               timeout=120)
+    exits = read_records(tmp_path, "exit")
+    assert sorted(e["rank"] for e in exits) == [0, 1]
     for e in exits:
         assert not gloo_threads(e), e

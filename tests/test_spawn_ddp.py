@@ -186,6 +186,25 @@ def test_missing_peer_fails_within_the_join_timeout(tiny_mnist):
     assert "[rank 0] error: distributed: " in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
+def test_nodes_with_different_process_counts_are_refused(tiny_mnist):
+    """Global ranks are node_rank * nproc + local_rank: with 2 processes on node 0 and 1 on
+    node 1 they would collide. Every node says so in one line before the group forms."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist),
+                               "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", str(2 - n),
+                               "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               "--batch-size", "60"],
+                              cwd=ROOT, env=script_env(), text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for n in (0, 1)]
+    results = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode != 0, out + err
+        errors = [ln for ln in err.splitlines() if "error:" in ln]
+        assert errors and "every node must run the same --nproc-per-node" in errors[0], err
+        assert "Traceback" not in err and "step" not in out
+
+
 def test_ctrl_c_stops_every_process_cleanly(tmp_path):
     args = [SCRIPT, "--dummy", "--epochs", 50, "--log-interval", 1, "--checkpoint", tmp_path / "c.pt"]
     proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=script_env(),

@@ -120,6 +120,18 @@ def test_slow_save_on_rank_0_fails_the_others_at_the_barrier(tiny_mnist, tmp_pat
     assert not (tmp_path / "c.pt.tmp").exists()
 
 
+def test_the_defaults_ride_out_a_slow_save(tiny_mnist, tmp_path):
+    """The other side: rank 0's checkpoint write takes 8 s, longer than --join-timeout (2 s
+    here), and the run ends normally with the default --timeout (600 s). The join timeout
+    bounds the start only; a collective waits --timeout for a busy process."""
+    run = Watched([sys.executable, ROOT / "spawn_ddp.py", "--data-dir", tiny_mnist,
+                   "--batch-size", 64, "--log-interval", 5, "--join-timeout", 2,
+                   "--checkpoint", tmp_path / "c.pt", "--metrics", tmp_path / "m.jsonl"],
+                  script_env(DDP_TEST_SLOW_SAVE=8), timeout=150)
+    assert run.returncode == 0, run.text
+    assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1]
+
+
 @pytest.mark.slow
 def test_a_longer_timeout_rides_out_the_slow_save(tiny_mnist, tmp_path):
     """The same 5-second save with --timeout 20: the run ends normally."""
@@ -130,11 +142,26 @@ def test_a_longer_timeout_rides_out_the_slow_save(tiny_mnist, tmp_path):
     assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1]
 
 
-def test_a_skipped_collective_aborts_on_gloo_without_waiting(tiny_mnist):
+def test_a_skipped_collective_waits_for_the_timeout(tiny_mnist):
     """spawn_ddp.py: rank 1 skips the first reduce_tensor (as `if rank == 0:` around it would).
-    The ranks' next collectives pair up wrongly, and gloo aborts rank 1 at once, long before
-    --timeout 30."""
-    run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 30)],
+    Rank 0 waits in it for rank 1, which has gone on to DDP's gradient all-reduce; nothing pairs
+    up, and rank 0 fails after --timeout (5 s here)."""
+    run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 5)],
+                  script_env(DDP_TEST_SKIP_REDUCE="1:1"), timeout=120)
+    t_skip, _ = run.first(r"test instrumentation: rank 1 skips reduce_tensor call 1")
+    t_error, line = run.first(r"\[rank 0\] error: distributed: ")
+    assert re.search(GLOO_TIMEOUT, line), line
+    assert 4.5 < t_error - t_skip < 60, run.text
+    run.first(r"^error: worker [01] exited with code 1$")
+    assert run.returncode == 1
+
+
+def test_a_skipped_collective_aborts_on_gloo_when_the_next_one_is_small(tiny_mnist, tmp_path):
+    """The same skip with --checkpoint: then every step also runs the SIGTERM agreement's
+    one-number all-reduce, which pairs with rank 0's reduction, and the collectives after it
+    are paired with the wrong partners: gloo aborts rank 1 at once, long before --timeout 30."""
+    run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 30),
+                   "--checkpoint", tmp_path / "c.pt"],
                   script_env(DDP_TEST_SKIP_REDUCE="1:1"), timeout=120)
     t_skip, _ = run.first(r"test instrumentation: rank 1 skips reduce_tensor call 1")
     t_abort, _ = run.first(r"Received data size doesn't match expected size\. Is there a "

@@ -1,0 +1,51 @@
+# A task for tests/test_data_loading.py, appended to a copy of common.py the way
+# docs/your-own-task.md says: MNIST with a random shift drawn from torch's global RNG (as
+# torchvision's transforms draw) and a model with dropout. With DDP_TEST_TASK_LOG=DIR, every
+# sample's draw and every dropout mask are logged there, one JSON-lines file per process.
+_mnist_datasets = make_datasets  # noqa: F821 (this file is appended to common.py)
+
+
+def _log(kind, **row):
+    folder = os.environ.get("DDP_TEST_TASK_LOG")
+    if folder:
+        row["rank"] = dist.get_rank() if distributed() else 0
+        with open(os.path.join(folder, f"{kind}-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+class RandomShift(Dataset):
+    """Shifts each image by up to 2 pixels in each direction, drawn per sample."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        x, y = self.data[index]
+        dx, dy = torch.randint(-2, 3, (2,)).tolist()
+        _log("draws", index=int(index), seed=torch.initial_seed(), draw=[dx, dy])
+        return torch.roll(x, (dy, dx), dims=(1, 2)), y
+
+
+class LoggedDropout(nn.Dropout):
+    def forward(self, x):
+        out = super().forward(x)
+        if self.training:
+            mask = (out != 0).cpu().numpy().tobytes()
+            _log("dropout", seed=torch.initial_seed(), rows=len(x),
+                 mask=hashlib.blake2b(mask, digest_size=8).hexdigest())
+        return out
+
+
+def make_datasets(args):
+    train, test = _mnist_datasets(args)
+    return RandomShift(train), test
+
+
+def make_model(args):
+    model = Net()  # noqa: F821
+    model.head = nn.Sequential(nn.Flatten(), nn.Linear(512, 128), nn.ReLU(), LoggedDropout(0.25),
+                               nn.Linear(128, 10))
+    return model

@@ -1,0 +1,91 @@
+"""Resuming is decided by all processes together (common.agreed_checkpoint). Two "nodes" on
+this machine, each in a folder of its own (a node-local disk), with --save-on-each-node: after
+epoch 1 of 2, one node's checkpoint is deleted (a node that joins with an empty disk, a
+requeue onto another node, a missing mount). The same command again: both nodes resume, the
+one without a copy receives it from the other, and the run ends bit-identical to one that was
+never interrupted, each node with its own copy. Before, each process decided alone and the two
+ran different collectives, until --timeout. (The SLURM batch files are tested the same way in
+test_slurm.py.)"""
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from conftest import ROOT, assert_same_training_state, free_port, load, read_metrics, \
+    run_script, script_env
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--batch-size", 64, "--epochs", 2, "--log-interval", 5, "--timeout", 60,
+        "--save-on-each-node", "--checkpoint", "ckpt/c.pt", "--metrics", "m.jsonl")
+MESSAGE = "had no copy of ckpt/c.pt at 1 epoch(s) + 0 step(s): rank {} sends its copy"
+
+
+@pytest.fixture(scope="module")
+def never_interrupted(tiny_mnist, tmp_path_factory):
+    """2 processes on one node, 2 epochs: two nodes of one process each train the same."""
+    d = tmp_path_factory.mktemp("straight")
+    run_script("torchrun_ddp.py", "--data-dir", tiny_mnist, *ARGS, cwd=d,
+               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"))
+    return load(d / "ckpt" / "c.pt")
+
+
+def launch(cmds, folders):
+    procs = [subprocess.Popen(cmd, cwd=f, env=script_env(), text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+             for cmd, f in zip(cmds, folders)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    return outs
+
+
+def torchrun_nodes(tiny_mnist, folders, *extra):
+    port, job = free_port(), uuid.uuid4().hex[:8]
+    return launch([[sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                    "--nproc-per-node=1", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
+                    str(ROOT / "torchrun_ddp.py"), "--data-dir", str(tiny_mnist),
+                    *map(str, ARGS), *extra] for _ in folders], folders)
+
+
+def spawn_nodes(tiny_mnist, folders, *extra, resume_on=()):
+    port = free_port()
+    return launch([[sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),
+                    "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+                    "--master-addr", "127.0.0.1", "--master-port", str(port), *map(str, ARGS),
+                    *extra, *(["--resume"] if n in resume_on else [])]
+                   for n in range(len(folders))], folders)
+
+
+def check_resumed(folders, outs, never_interrupted):
+    text = "\n".join(outs)
+    assert sum(f"loaded ckpt/c.pt: 1 epoch(s) + 0 step(s) trained" in o for o in outs) == 1, text
+    assert "had no copy of ckpt/c.pt at 1 epoch(s) + 0 step(s): rank " in text, text
+    for f in folders:  # each node wrote its own copy again, the same model on both
+        assert_same_training_state(never_interrupted, load(f / "ckpt" / "c.pt"))
+    [reporter] = [f for f in folders if (f / "m.jsonl").exists()]
+    assert [r["epoch"] for r in read_metrics(reporter / "m.jsonl")] == [1, 2]
+
+
+def test_torchrun_node_without_the_checkpoint_receives_it(tiny_mnist, tmp_path,
+                                                          never_interrupted):
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for f in folders:
+        f.mkdir()
+    torchrun_nodes(tiny_mnist, folders, "--stop-after", 1)
+    assert all(load(f / "ckpt" / "c.pt")["epoch"] == 1 for f in folders)
+    (folders[1] / "ckpt" / "c.pt").unlink()  # node 1's disk lost it
+    check_resumed(folders, torchrun_nodes(tiny_mnist, folders), never_interrupted)
+
+
+def test_spawn_node_without_the_checkpoint_receives_it(tiny_mnist, tmp_path, never_interrupted):
+    """As slurm/spawn_ddp.sbatch runs it: --resume on the node that finds the file only."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for f in folders:
+        f.mkdir()
+    spawn_nodes(tiny_mnist, folders, "--stop-after", 1)
+    (folders[0] / "ckpt" / "c.pt").unlink()  # node 0, rank 0's, this time
+    outs = spawn_nodes(tiny_mnist, folders, resume_on=[1])
+    assert MESSAGE.format(1) in "\n".join(outs)
+    check_resumed(folders, outs, never_interrupted)

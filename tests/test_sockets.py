@@ -1,0 +1,139 @@
+"""What a job on one machine listens on: every listening TCP socket of the job's processes
+(the launcher or torchrun's agent, the training processes, their data workers), read from
+/proc while the job trains (a socket's inode in /proc/PID/fd, its address in /proc/net/tcp
+and tcp6). torch.distributed's stores have no authentication (docs/security.md), so a job on
+one machine should listen on loopback only, or not at all.
+
+- spawn_ddp.py: a FileStore in a private folder, gloo on the loopback interface: loopback only;
+- dp_baseline.py and `python torchrun_ddp.py`: one process, nothing on the network;
+- torchrun --standalone: the workers listen on loopback, but torchrun's agent hosts its stores
+  on every interface, whatever its flags (pytorch/pytorch#173909): recorded here, so that this
+  test fails, and says so, the day torch changes it;
+- torchrun with a file rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the agent listens
+  on nothing, and torchrun_ddp.py's rank 0 hosts the store on loopback: loopback only."""
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, script_env
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")
+
+TORCHRUN = ("-m", "torch.distributed.run")
+ARGS = ("--batch-size", 64, "--epochs", 2, "--log-interval", 1)
+LOOPBACK = ("127.", "::1")
+
+
+def _address(hex_address):
+    ip, port = hex_address.split(":")
+    raw = bytes.fromhex(ip)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(ip, 16))), int(port, 16)
+    words = b"".join(struct.pack("<I", int(ip[i:i + 8], 16)) for i in range(0, 32, 8))
+    address = socket.inet_ntop(socket.AF_INET6, words)
+    return address.removeprefix("::ffff:"), int(port, 16)
+
+
+def listening_inodes():
+    """{socket inode: (address, port)} of every TCP socket in state LISTEN (0A)."""
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":
+                    found[int(fields[9])] = _address(fields[1])
+    return found
+
+
+def family(pid):
+    """pid and all its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def sockets_of(pid):
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    except OSError:  # the process ended, or a descriptor closed meanwhile
+        pass
+    return inodes
+
+
+def listening_while_it_runs(cmd, env_extra=(), cwd=ROOT):
+    """Runs `cmd` to its end; {(role, address, port)} of every listening socket seen in the
+    meantime, role "launcher" for the process started, "child" for its descendants."""
+    env = script_env(DDP_TEST_STEP_DELAY=0.05, **dict(env_extra))
+    proc = subprocess.Popen([sys.executable, *map(str, cmd)], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    seen = set()
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline:
+        table = listening_inodes()
+        for pid in family(proc.pid):
+            for inode in sockets_of(pid) & table.keys():
+                seen.add(("launcher" if pid == proc.pid else "child", *table[inode]))
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+    out = proc.communicate()[0]
+    assert proc.returncode == 0, out
+    assert "epoch 2 train_loss" in out, out  # it trained while we looked
+    return seen
+
+
+def not_loopback(seen):
+    return {s for s in seen if not s[1].startswith(LOOPBACK)}
+
+
+def test_spawn_on_one_machine_listens_on_loopback_only(tiny_mnist):
+    seen = listening_while_it_runs(["spawn_ddp.py", "--data-dir", tiny_mnist, *ARGS])
+    assert seen, "gloo's own sockets should have been seen"  # the lister works
+    assert not not_loopback(seen), seen
+
+
+@pytest.mark.parametrize("script", ["dp_baseline.py", "torchrun_ddp.py"])
+def test_one_process_listens_on_nothing_reachable(tiny_mnist, script):
+    seen = listening_while_it_runs([script, "--data-dir", tiny_mnist, *ARGS])
+    assert not not_loopback(seen), seen
+
+
+def test_torchrun_standalone_agent_listens_on_every_interface_today(tiny_mnist):
+    """The workers' sockets are on loopback; the agent's two stores (rendezvous, and the one it
+    shares with the workers) are on every interface. If this fails, torch has changed: update
+    docs/security.md."""
+    seen = listening_while_it_runs([*TORCHRUN, "--standalone", "--nproc-per-node=2",
+                                    "torchrun_ddp.py", "--data-dir", tiny_mnist, *ARGS])
+    exposed = not_loopback(seen)
+    assert {role for role, _, _ in exposed} == {"launcher"}, seen  # the agent alone
+    assert {address for _, address, _ in exposed} <= {"::", "0.0.0.0"}, seen
+
+
+def test_torchrun_with_a_file_rendezvous_listens_on_loopback_only(tiny_mnist, tmp_path):
+    """The safest one-machine torchrun command (docs/security.md)."""
+    seen = listening_while_it_runs(
+        [*TORCHRUN, "--rdzv-backend=c10d", "--rdzv-conf=store_type=file",
+         f"--rdzv-endpoint={tmp_path / 'rendezvous'}", "--nnodes=1", "--nproc-per-node=2",
+         "torchrun_ddp.py", "--data-dir", tiny_mnist, *ARGS],
+        env_extra={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert not {s for s in seen if s[0] == "launcher"}, seen  # the agent: nothing
+    assert seen and not not_loopback(seen), seen  # the workers: their store and gloo, loopback
