@@ -14,8 +14,10 @@ pytestmark = pytest.mark.slow
 
 
 def table_rows(text, start="| script"):
-    rows = [ln for ln in text.split(start, 1)[1].splitlines() if ln.startswith("| ")]
-    return [[c.strip() for c in ln.strip("|").split("|")] for ln in rows if "---" not in ln]
+    """The rows of the first table from `start` on, as lists of cells."""
+    table = text.split(start, 1)[1].strip("\n").split("\n\n", 1)[0]
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and "---" not in ln]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in rows]
 
 
 def test_bench_table_on_tiny_data(tiny_mnist):

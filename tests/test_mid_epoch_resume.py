@@ -1,6 +1,7 @@
 """--save-every in the scripts without an elastic agent: the whole job is killed in the middle
 of an epoch (a preempted machine), then `--resume` continues from the snapshot's step and ends
-exactly where an uninterrupted run ends. (torchrun_ddp.py resumes by itself: see its tests.)"""
+exactly where an uninterrupted run ends, with and without data-loading worker processes.
+(torchrun_ddp.py resumes by itself: see its tests.)"""
 import os
 import signal
 import subprocess
@@ -17,11 +18,12 @@ ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 
 # 19 steps per epoch; snapshots at steps 6, 12, 18
 
 
-@pytest.mark.parametrize("script,procs", [("spawn_ddp.py", ["--nproc-per-node", 2, "--timeout", 30]),
+@pytest.mark.parametrize("script,procs", [("spawn_ddp.py", ["--nproc-per-node", 2, "--timeout", 30,
+                                                            "--workers", 2]),
                                           ("spawn_ddp.py", ["--nproc-per-node", 2, "--timeout", 30,
                                                             "--accumulate", 2]),
-                                          ("dp_baseline.py", [])],
-                         ids=["spawn", "spawn-accumulate", "dp_baseline"])
+                                          ("dp_baseline.py", ["--workers", 2])],
+                         ids=["spawn-workers2", "spawn-accumulate", "dp_baseline-workers2"])
 def test_killed_job_resumes_mid_epoch_bit_identical(tiny_mnist, tmp_path, script, procs):
     args = ["--data-dir", tiny_mnist, *ARGS, *procs]
     run_script(script, *args, "--checkpoint", tmp_path / "straight.pt")

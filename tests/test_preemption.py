@@ -5,7 +5,9 @@ writer saves a snapshot there, and the run ends with a `preempted:` line and exi
 The same command with --resume then ends bit-identical to a run that was never interrupted.
 
 The signal goes either to every process of the job (what SLURM does) or to the launcher alone
-(what a user's `kill PID` does): spawn_ddp.py's launcher and torchrun's agent pass it on."""
+(what a user's `kill PID` does): spawn_ddp.py's launcher and torchrun's agent pass it on. The
+jobs signalled as a whole load their data with 2 worker processes each, which get the signal
+too (and must not die of it: common.worker_init); the others load in the training process."""
 import os
 import signal
 import subprocess
@@ -26,8 +28,8 @@ RUNS = {  # script: (launcher, extra flags)
     "apex_ddp.py": (TORCHRUN, ["--timeout", 30, "--opt-level", "O0"]),
     "dp_baseline.py": ((), []),
 }
-CASES = [("spawn_ddp.py", "job"), ("spawn_ddp.py", "launcher"), ("dp_baseline.py", "job"),
-         ("torchrun_ddp.py", "job"), ("torchrun_ddp.py", "launcher"), ("apex_ddp.py", "job")]
+CASES = [("spawn_ddp.py", "job", 2), ("spawn_ddp.py", "launcher", 0), ("dp_baseline.py", "job", 2),
+         ("torchrun_ddp.py", "job", 2), ("torchrun_ddp.py", "launcher", 0), ("apex_ddp.py", "job", 0)]
 
 
 def command(script, tiny_mnist, ckpt, *more):
@@ -76,11 +78,14 @@ def start_and_signal(cmd, who, after_step=5, **env):
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out) + rest, err)
 
 
-@pytest.mark.parametrize("script,who", CASES, ids=[f"{s}-{w}" for s, w in CASES])
+@pytest.mark.parametrize("script,who,workers", CASES,
+                         ids=[f"{s}-{w}-workers{n}" for s, w, n in CASES])
 def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tmp_path,
-                                                                  uninterrupted, script, who):
+                                                                  uninterrupted, script, who,
+                                                                  workers):
     ckpt = tmp_path / "c.pt"
-    r = start_and_signal(command(script, tiny_mnist, ckpt), who)
+    r = start_and_signal(command(script, tiny_mnist, ckpt, "--workers", workers), who)
+    assert "DataLoader worker" not in r.stderr, r.stderr
     torchrun = bool(RUNS[script][0])
     # torchrun's agent itself ends with exit code 1 and its own SignalException traceback
     # when it got the signal (it re-raises it); our scripts exit with 143.
@@ -96,8 +101,8 @@ def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tm
     # and the job goes on from the snapshot, to exactly the end an uninterrupted run reaches
     launcher, extra = RUNS[script]
     r2 = run_script(script, "--data-dir", tiny_mnist, *ARGS, *extra, "--checkpoint", ckpt,
-                    "--resume", "--metrics", tmp_path / "m.jsonl", launcher=launcher,
-                    block="apex")
+                    "--resume", "--metrics", tmp_path / "m.jsonl", "--workers", workers,
+                    launcher=launcher, block="apex")
     assert f"0 epoch(s) + {snap['step']} step(s) trained" in r2.stdout
     assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
     assert_same_training_state(uninterrupted(script), load(ckpt))

@@ -24,15 +24,17 @@ MESSAGE = "had no copy of ckpt/c.pt at 1 epoch(s) + 0 step(s): rank {} sends its
 
 @pytest.fixture(scope="module")
 def never_interrupted(tiny_mnist, tmp_path_factory):
-    """2 processes on one node, 2 epochs: two nodes of one process each train the same."""
+    """2 processes on one node, 2 epochs: two nodes of one process each train the same (one
+    thread per process everywhere, so that the arithmetic is the same too)."""
     d = tmp_path_factory.mktemp("straight")
-    run_script("torchrun_ddp.py", "--data-dir", tiny_mnist, *ARGS, cwd=d,
+    run_script("torchrun_ddp.py", "--data-dir", tiny_mnist, *ARGS, cwd=d, OMP_NUM_THREADS=1,
                launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"))
     return load(d / "ckpt" / "c.pt")
 
 
 def launch(cmds, folders):
-    procs = [subprocess.Popen(cmd, cwd=f, env=script_env(), text=True, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(cmd, cwd=f, env=script_env(OMP_NUM_THREADS=1), text=True,
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, start_new_session=True)
              for cmd, f in zip(cmds, folders)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
@@ -46,7 +48,7 @@ def torchrun_nodes(tiny_mnist, folders, *extra):
                     "--nproc-per-node=1", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
                     str(ROOT / "torchrun_ddp.py"), "--data-dir", str(tiny_mnist),
-                    *map(str, ARGS), *extra] for _ in folders], folders)
+                    *map(str, ARGS), *map(str, extra)] for _ in folders], folders)
 
 
 def spawn_nodes(tiny_mnist, folders, *extra, resume_on=()):
@@ -54,7 +56,7 @@ def spawn_nodes(tiny_mnist, folders, *extra, resume_on=()):
     return launch([[sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),
                     "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
                     "--master-addr", "127.0.0.1", "--master-port", str(port), *map(str, ARGS),
-                    *extra, *(["--resume"] if n in resume_on else [])]
+                    *map(str, extra), *(["--resume"] if n in resume_on else [])]
                    for n in range(len(folders))], folders)
 
 
