@@ -116,6 +116,31 @@ def machine():
 
 
 def main():
+    args = parse_args()
+    options, variants, configs = plan(args)
+    results = {c: [] for c in configs}
+    for rep in range(args.reps):  # interleaved: rep 1 of every configuration, then rep 2, ...
+        for s, v, n in configs:
+            print(f"rep {rep + 1}/{args.reps}: {name(s, v)} x{n}", file=sys.stderr, flush=True)
+            cmd = command(s, n, variants[v]["amp"], variants[v]["repo"])
+            results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, variants[v]))
+    print(f"\nMachine: {machine()}")
+    print(f"Work: {'synthetic data' if args.dummy else 'MNIST'}, {args.epochs} epoch(s), global "
+          f"batch {' '.join(map(str, args.batch_size))}, --lr-scaling "
+          f"{' '.join(args.lr_scaling)}, --amp {' '.join(args.amp)}, --channels-last {args.channels_last}, "
+          f"--compile {args.compile}, --workers {' '.join(map(str, args.workers or ['default']))}, "
+          f"--checkpoint {args.checkpoint}, {args.reps} seed(s) per row; median (min-max)"
+          + (f"; {ENV}: {args.with_env}" if args.with_env else "")
+          + (f"; @{args.against}: the scripts there" if args.against else "") + "\n")
+    print_table(results)
+    if len(args.batch_size) > 1 or len(args.lr_scaling) > 1:
+        print_accuracy_per_epoch(results, variants, args.epochs)
+    print_ratios(results, options, variants, args)
+    if args.png:
+        save_chart(results, args.png, f"{machine()}\n--amp {' '.join(args.amp)}, {args.reps} seed(s)")
+
+
+def parse_args():
     p = common.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=os.environ.get("MNIST_DIR", "./data"),
                    help="MNIST root (default: $MNIST_DIR or ./data)")
@@ -157,54 +182,47 @@ def main():
             import matplotlib  # noqa: F401
         except ImportError:
             raise common.Fatal("--png needs matplotlib: pip install matplotlib") from None
-
     try:
-        extra_env = dict(item.split("=", 1) for item in (args.with_env or "").split())
+        args.env = dict(item.split("=", 1) for item in (args.with_env or "").split())
     except ValueError:
         raise common.Fatal(f"--with-env {args.with_env!r}: expected NAME=VALUE pairs") from None
-
     if args.against and not (Path(args.against) / "spawn_ddp.py").exists():
         raise common.Fatal(f"--against {args.against}: no spawn_ddp.py there")
+    return args
 
-    # A variant: one value of every option; those with several values run side by side.
+
+def plan(args):
+    """The options (each with its values), the variants (one value of every option, by row
+    label) and the configurations (script, variant, processes) that can run."""
     options = {"amp": args.amp, "channels_last": BOTH[args.channels_last],
                "batch": args.batch_size, "rule": args.lr_scaling,
                "compile": BOTH[args.compile], "workers": args.workers or [None],
                "checkpoint": BOTH[args.checkpoint],
-               "env": [{}, extra_env] if extra_env else [{}],
+               "env": [{}, args.env] if args.env else [{}],
                "repo": [str(ROOT)] + ([args.against] if args.against else [])}
-    several = len(args.batch_size) > 1 or len(args.lr_scaling) > 1
-    variants = {}  # label -> {option: value}
+    variants = {}
     for values in itertools.product(*options.values()):
         v = dict(zip(options, values))
-        variants[label(v, options, several)] = v
+        variants[label(v, options)] = v
     configs = [(s, v, n) for v in variants for s in args.scripts for n in args.world_sizes
                if command(s, n, variants[v]["amp"], ROOT) is not None
                and variants[v]["batch"] % n == 0
                and not (s == "dp_baseline" and variants[v]["compile"])]  # DDP scripts only
     if not configs:
         raise common.Fatal("no script runs at these world sizes with this --amp")
-    results = {c: [] for c in configs}
+    return options, variants, configs
 
-    def threads(n):  # each process's share of the cores
-        return max(1, common.cpu_count() // n)
-    for rep in range(args.reps):
-        for s, v, n in configs:
-            print(f"rep {rep + 1}/{args.reps}: {f'{s} {v}'.strip()} x{n}", file=sys.stderr,
-                  flush=True)
-            cmd = command(s, n, variants[v]["amp"], variants[v]["repo"])
-            results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, variants[v]))
 
-    def name(s, v):
-        return f"{s} {v}".strip()
-    print(f"\nMachine: {machine()}")
-    print(f"Work: {'synthetic data' if args.dummy else 'MNIST'}, {args.epochs} epoch(s), global "
-          f"batch {' '.join(map(str, args.batch_size))}, --lr-scaling "
-          f"{' '.join(args.lr_scaling)}, --amp {' '.join(args.amp)}, --channels-last {args.channels_last}, "
-          f"--compile {args.compile}, --workers {' '.join(map(str, args.workers or ['default']))}, "
-          f"--checkpoint {args.checkpoint}, {args.reps} seed(s) per row; median (min-max)"
-          + (f"; {ENV}: {args.with_env}" if extra_env else "")
-          + (f"; @{args.against}: the scripts there" if args.against else "") + "\n")
+def threads(n):
+    """Each process's share of the cores."""
+    return max(1, common.cpu_count() // n)
+
+
+def name(s, v):
+    return f"{s} {v}".strip()
+
+
+def print_table(results):
     print(f"| script | processes x threads | s to {TARGET:g}% | test acc. mean (worst) | "
           "epoch s | samples/s | data wait | DDP efficiency | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -212,7 +230,7 @@ def main():
         ones = results.get((s, v, 1))
         eff = "-"
         if s != "dp_baseline" and n > 1 and ones:  # throughput at N / throughput at 1
-            eff = f"{statistics.median(r['samples_s'] for r in rs) / statistics.median(r['samples_s'] for r in ones):.2f}"
+            eff = f"{median(rs, 'samples_s') / median(ones, 'samples_s'):.2f}"
         reached = sum(r["to_target"] is not None for r in rs)
         accs = [r["acc"] for r in rs]
         print(f"| {name(s, v)} | {n} x {threads(n)} | {spread([r['to_target'] for r in rs])}"
@@ -222,41 +240,44 @@ def main():
               f"{spread([100 * r['data_wait'] for r in rs], '{:.1f}')}% | {eff} | "
               f"{spread([r['wall'] for r in rs])} |")
 
-    if several:  # how each batch size and LR rule learns, epoch by epoch
-        print(f"\nTest accuracy after each epoch, mean (worst) over the seeds:\n")
-        print("| script | processes | global batch | LR rule | peak LR | "
-              + " | ".join(f"epoch {e + 1}" for e in range(args.epochs)) + " | epoch s |")
-        print("|---|---|---|---|---|" + "---|" * args.epochs + "---|")
-        for (s, v, n), rs in results.items():
-            batch, rule = variants[v]["batch"], variants[v]["rule"]
-            lr = common.build_parser("").get_default("lr")  # the scripts' --lr
-            peak = common.peak_lr(argparse.Namespace(lr=lr, batch_size=batch, lr_scaling=rule))
-            cells = [f"{statistics.mean(a):.2f} ({min(a):.2f})"
-                     for a in zip(*(r["accs"] for r in rs))]
-            print(f"| {name(s, v)} | {n} | {batch} | {rule} | {peak:.4g} | {' | '.join(cells)} | "
-                  f"{spread([r['epoch_s'] for r in rs])} |")
 
-    def ratio(a, b):  # median epoch time of a / of b, when both ran
-        if a in results and b in results:
-            ma = statistics.median(r["epoch_s"] for r in results[a])
-            mb = statistics.median(r["epoch_s"] for r in results[b])
-            return f"{ma / mb:.2f}"
-        return None
+def print_accuracy_per_epoch(results, variants, epochs):
+    """How each batch size and LR rule learns, epoch by epoch."""
+    print("\nTest accuracy after each epoch, mean (worst) over the seeds:\n")
+    print("| script | processes | global batch | LR rule | peak LR | "
+          + " | ".join(f"epoch {e + 1}" for e in range(epochs)) + " | epoch s |")
+    print("|---|---|---|---|---|" + "---|" * epochs + "---|")
+    lr = common.build_parser("").get_default("lr")  # the scripts' --lr
+    for (s, v, n), rs in results.items():
+        batch, rule = variants[v]["batch"], variants[v]["rule"]
+        peak = common.peak_lr(argparse.Namespace(lr=lr, batch_size=batch, lr_scaling=rule))
+        cells = [f"{statistics.mean(a):.2f} ({min(a):.2f})" for a in zip(*(r["accs"] for r in rs))]
+        print(f"| {name(s, v)} | {n} | {batch} | {rule} | {peak:.4g} | {' | '.join(cells)} | "
+              f"{spread([r['epoch_s'] for r in rs])} |")
+
+
+def median(rs, key):
+    return statistics.median(r[key] for r in rs)
+
+
+def print_ratios(results, options, variants, args):
+    """Median epoch times against each other: 2 processes against 1, DDP against the bare loop,
+    and each option's other values against its first, all else alike."""
+    def ratio(a, b):
+        return f"{median(results[a], 'epoch_s') / median(results[b], 'epoch_s'):.2f}"
     lines = []
     for v in variants:
         for s in ("spawn_ddp", "torchrun_ddp"):
-            r = ratio((s, v, 2), (s, v, 1))
-            if r:
+            if (s, v, 2) in results and (s, v, 1) in results:
                 lines.append(f"- {name(s, v)}: epoch time at 2 processes / at 1 process (same "
-                             f"global batch): {r}")
-            r = ratio((s, v, 1), ("dp_baseline", v, 1))
-            if r and not torch.cuda.is_available():  # on CPU dp_baseline is the bare loop
+                             f"global batch): {ratio((s, v, 2), (s, v, 1))}")
+            if (s, v, 1) in results and ("dp_baseline", v, 1) in results \
+                    and not torch.cuda.is_available():  # on CPU dp_baseline is the bare loop
                 lines.append(f"- {name(s, v)} at world size 1 / the same loop without DDP "
-                             f"(dp_baseline on CPU): {r}")
-    for s, v, n in results:  # each option's other values against its first, all else alike
+                             f"(dp_baseline on CPU): {ratio((s, v, 1), ('dp_baseline', v, 1))}")
+    for s, v, n in results:
         for option, values in options.items():
-            first = dict(variants[v], **{option: values[0]})
-            plain = label(first, options, several)
+            plain = label(dict(variants[v], **{option: values[0]}), options)
             if variants[v][option] == values[0] or (s, plain, n) not in results:
                 continue
             if option == "compile":
@@ -268,20 +289,19 @@ def main():
                 "channels_last": ("--channels-last", "without"),
                 "workers": (f"--workers {variants[v]['workers']}", f"--workers {values[0]}"),
                 "checkpoint": ("--checkpoint (the SIGTERM agreement)", "without"),
-                "env": (ENV, "without"), "repo": (f"the scripts here", f"@{args.against}"),
+                "env": (ENV, "without"), "repo": (f"@{args.against}", "the scripts here"),
                 "batch": (f"batch {variants[v]['batch']}", f"batch {values[0]}"),
                 "rule": (variants[v]["rule"], values[0])}[option]
             without = without if without == "without" else f"with {without}"
-            r = ratio((s, v, n), (s, plain, n))
-            lines.append(f"- {name(s, plain)} x{n}: epoch time with {what} / {without}: {r}")
+            lines.append(f"- {name(s, plain)} x{n}: epoch time with {what} / {without}: "
+                         f"{ratio((s, v, n), (s, plain, n))}")
     if lines:
         print("\nRatios of median epoch times, from this run:\n" + "\n".join(lines))
-    if args.png:
-        save_chart(results, args.png, f"{machine()}\n--amp {' '.join(args.amp)}, {args.reps} seed(s)")
 
 
-def label(v, options, several):
+def label(v, options):
     """A variant's row label: the values of the options that have several, in words."""
+    several = len(options["batch"]) > 1 or len(options["rule"]) > 1
     parts = [v["amp"] if len(options["amp"]) > 1 else "",
              f"batch {v['batch']} {v['rule']}" if several else "",
              "+channels_last" if v["channels_last"] else "", "+compile" if v["compile"] else "",

@@ -44,16 +44,21 @@ def trained(state):
     return {k: v for k, v in state.items() if "running_" not in k and "num_batches" not in k}
 
 
+@pytest.fixture(scope="module")
+def two_and_one(tiny_mnist, tmp_path_factory):
+    """spawn_ddp.py with 2 processes (what accumulating 2 must equal; every launch style trains
+    the same), and with 1 process without --accumulate (the control)."""
+    d = tmp_path_factory.mktemp("reference")
+    run("spawn_ddp.py", tiny_mnist, 2, "--checkpoint", d / "two.pt")
+    run("spawn_ddp.py", tiny_mnist, 1, "--checkpoint", d / "one.pt")
+    return load(d / "two.pt"), load(d / "one.pt")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script,other", [("spawn_ddp.py", "spawn_ddp.py"),
-                                          ("torchrun_ddp.py", "torchrun_ddp.py"),
-                                          ("dp_baseline.py", "spawn_ddp.py")])
-def test_accumulating_two_equals_twice_the_processes(tiny_mnist, tmp_path, script, other):
-    """`other` runs the two processes: dp_baseline.py has one."""
+@pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py", "dp_baseline.py"])
+def test_accumulating_two_equals_twice_the_processes(tiny_mnist, tmp_path, two_and_one, script):
     run(script, tiny_mnist, 1, "--accumulate", 2, "--checkpoint", tmp_path / "acc.pt")
-    run(other, tiny_mnist, 2, "--checkpoint", tmp_path / "two.pt")
-    run(script, tiny_mnist, 1, "--checkpoint", tmp_path / "one.pt")  # the control
-    acc, two, one = (load(tmp_path / f"{n}.pt") for n in ("acc", "two", "one"))
+    acc, (two, one) = load(tmp_path / "acc.pt"), two_and_one
     assert acc["optimizer"]["state"][0]["step"] == two["optimizer"]["state"][0]["step"] == 19
 
     a, b = trained(acc["model"]), trained(two["model"])
@@ -63,7 +68,7 @@ def test_accumulating_two_equals_twice_the_processes(tiny_mnist, tmp_path, scrip
     # 32 samples, not 16) ends far outside the tolerance, so the comparison can fail.
     assert max_rel_diff(trained(one["model"]), b) > 100 * TOL["rtol"]
     # BatchNorm's running statistics do differ: rank 0 of two processes saw only its own
-    # micro-batches, the accumulating process saw both ranks' (README says why).
+    # micro-batches, the accumulating process saw both ranks' (docs/training.md says why).
     assert not torch.allclose(acc["model"]["features.1.running_mean"],
                               two["model"]["features.1.running_mean"], **TOL)
 

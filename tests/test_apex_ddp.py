@@ -30,6 +30,7 @@ def native_o0(tiny_mnist, tmp_path_factory):
     return d / "c.pt", r
 
 
+@pytest.mark.slow
 def test_native_path_says_why_and_matches_torchrun_ddp(tiny_mnist, tmp_path, native_o0):
     """Without apex the script runs torchrun_ddp.py's loop: at O0, bit for bit."""
     ckpt, r = native_o0
@@ -41,6 +42,7 @@ def test_native_path_says_why_and_matches_torchrun_ddp(tiny_mnist, tmp_path, nat
     assert_same_training_state(load(ckpt), load(tmp_path / "t.pt"))
 
 
+@pytest.mark.slow
 def test_native_path_checkpoints_and_resumes(tiny_mnist, tmp_path):
     """Default O1 natively on a CPU with bf16 instructions = autocast(bfloat16), no GradScaler
     (the CPU's features are faked: see test_precision.py for a CPU without them). The first
@@ -66,6 +68,7 @@ def test_native_path_checkpoints_and_resumes(tiny_mnist, tmp_path):
     assert "Traceback" not in r1.stderr + r2.stderr
 
 
+@pytest.mark.slow
 def test_apex_path_control_flow_with_the_standin(tiny_mnist, tmp_path, native_o0):
     """The stand-in logs every apex call. Checked: apex's documented order
     (convert_syncbn_model -> amp.initialize -> [checkpoint load, amp.load_state_dict] ->

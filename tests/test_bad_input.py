@@ -221,7 +221,7 @@ def assert_error_line(r, *fragments):
     assert "step" not in r.stdout  # no training step was logged
 
 
-@pytest.mark.parametrize("launch", ["spawn", "torchrun"])
+@pytest.mark.parametrize("launch", ["spawn", pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_unwritable_checkpoint_fails_before_training(tiny_mnist, launch):
     args = ["--data-dir", tiny_mnist, "--checkpoint", "/proc/x/c.pt", "--log-interval", 1]
     if launch == "spawn":
@@ -231,6 +231,7 @@ def test_unwritable_checkpoint_fails_before_training(tiny_mnist, launch):
     assert_error_line(r, "--checkpoint /proc/x/c.pt", "cannot create the folder")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch", ["spawn", "torchrun"])
 def test_malformed_data_fails_with_the_file_named(tiny_mnist, tmp_path, launch):
     """Under torchrun, local rank 0 checks the files while the others wait at a barrier: the

@@ -78,5 +78,5 @@ def test_bench_compares_workers_the_stop_agreement_and_another_checkout(tiny_mni
                       for c in ("", " +checkpoint") for a in ("", f" @{other}")}
     for what in ("with --workers 1 / with --workers 0",
                  r"with --checkpoint \(the SIGTERM agreement\) / without",
-                 rf"with the scripts here / with @{re.escape(str(other))}"):
+                 rf"with @{re.escape(str(other))} / with the scripts here"):
         assert re.search(rf"dp_baseline .*x1: epoch time {what}: \d+\.\d\d", r.stdout), what

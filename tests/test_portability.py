@@ -107,6 +107,7 @@ def test_no_unguarded_linux_only_call(name):
 NOT_LINUX = {"DDP_TEST_NOT_LINUX": 1}
 
 
+@pytest.mark.slow
 def test_spawn_without_linux_apis(tiny_mnist, tmp_path):
     """Threads per process from os.cpu_count (Python >= 3.13: os.process_cpu_count) instead of
     the Linux affinity mask; everything else as on Linux."""
@@ -117,6 +118,7 @@ def test_spawn_without_linux_apis(tiny_mnist, tmp_path):
     assert row["world_size"] == 2 and row["train_loss"] < 2.3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["dp_baseline.py", "torchrun_ddp.py", "apex_ddp.py"])
 def test_one_process_without_linux_apis(tiny_mnist, tmp_path, script):
     """What a laptop user without torchrun runs: `python SCRIPT` (torchrun itself does not
@@ -127,6 +129,7 @@ def test_one_process_without_linux_apis(tiny_mnist, tmp_path, script):
     assert row["world_size"] == 1 and row["train_loss"] < 2.3
 
 
+@pytest.mark.slow
 def test_bench_without_linux_apis(tiny_mnist):
     r = run_script("bench.py", "--data-dir", tiny_mnist, "--reps", 1, "--batch-size", 64,
                    "--scripts", "dp_baseline", "--world-sizes", 1, timeout=300, **NOT_LINUX)

@@ -42,6 +42,7 @@ def test_amp_bf16_warns_only_without_bf16_instructions(script):
     assert fp16["stderr"].startswith("warning: --amp fp16 on this CPU is slower than fp32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("features,amp", [(NO_BF16, "none"), (BF16, "bf16")])
 def test_apex_native_trains_in_the_chosen_precision(tiny_mnist, tmp_path, features, amp):
     """End to end under torchrun: the checkpoint records the precision actually used."""

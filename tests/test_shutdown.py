@@ -11,6 +11,8 @@ import pytest
 
 from conftest import ROOT, read_records, run_script
 
+pytestmark = pytest.mark.slow
+
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 RUNS = {  # script: (launcher, extra flags, blocked import)
     "spawn_ddp.py": ((), ["--nproc-per-node", 2], None),

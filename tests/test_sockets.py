@@ -22,7 +22,8 @@ import pytest
 
 from conftest import ROOT, script_env
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")]
 
 TORCHRUN = ("-m", "torch.distributed.run")
 ARGS = ("--batch-size", 64, "--epochs", 2, "--log-interval", 1)

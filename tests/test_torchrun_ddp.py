@@ -40,6 +40,7 @@ def assert_same_final_replicas(rec_a, rec_b, world_size):
 # ---------------------------------------------------------------------------------------------
 # Launchers
 
+@pytest.mark.slow
 def test_torchrun_standalone_trains_and_writes_one_checkpoint(tiny_mnist, tmp_path):
     (tmp_path / "rec").mkdir()
     r = run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 2, "--checkpoint", tmp_path / "c.pt",
@@ -58,6 +59,7 @@ def test_torchrun_standalone_trains_and_writes_one_checkpoint(tiny_mnist, tmp_pa
     assert all(torch.equal(a[k], b[k]) for k in a)  # the replicas agree
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["legacy launch module", "plain python"])
 def test_other_ways_to_start(tiny_mnist, tmp_path, how):
     """The legacy launcher passes --local-rank (and sets LOCAL_RANK); plain python has neither.
@@ -145,6 +147,7 @@ def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, uni
     assert_same_final_replicas(uninterrupted, tmp_path / "rec", 2)
 
 
+@pytest.mark.slow
 def test_finished_run_resumes_to_nothing(tiny_mnist, tmp_path):
     """Rerunning the same command after it finished loads the snapshot and trains no more."""
     args = tiny(tiny_mnist, "--checkpoint", tmp_path / "c.pt", "--metrics", tmp_path / "m.jsonl")
