@@ -660,14 +660,6 @@ def process_device(local_rank, local_world_size):
     return torch.device("cpu")
 
 
-def say_once(what, device):
-    """Rank 0's first line: the processes, the backend, the device and the threads."""
-    if not distributed() or dist.get_rank() == 0:
-        backend = f", backend {dist.get_backend()}" if distributed() else ""
-        print(f"{what}{backend}, device {device.type}, {torch.get_num_threads()} thread(s) each",
-              flush=True)
-
-
 def cpu_count():
     """Cores this process may run on. Linux alone has the affinity mask (containers, taskset,
     SLURM's binding); elsewhere every core counts (Python 3.13+ asks the OS per process)."""
@@ -1033,6 +1025,14 @@ class Reporter:
     def close(self):
         if self.tb is not None:
             self.tb.close()
+
+
+def say_once(what, device):
+    """Rank 0's first line: the processes, the backend, the device and the threads."""
+    if not distributed() or dist.get_rank() == 0:
+        backend = f", backend {dist.get_backend()}" if distributed() else ""
+        print(f"{what}{backend}, device {device.type}, {torch.get_num_threads()} thread(s) each",
+              flush=True)
 
 
 def accuracy_fields(correct, total):

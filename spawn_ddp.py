@@ -55,6 +55,7 @@ def main():
 
 
 def worker(local_rank, nproc, store_file, args):
+    mp.set_start_method(None, force=True)  # data workers: the OS's default, not spawn (inherited)
     with common.clean_exit(f"[rank {args.node_rank * nproc + local_rank}] "):
         train(local_rank, nproc, store_file, args)
 
@@ -63,7 +64,6 @@ def train(local_rank, nproc, store_file, args):
     rank = args.node_rank * nproc + local_rank  # over all nodes; local_rank: on this one
     world_size = args.nnodes * nproc
     device = common.process_device(local_rank, nproc)  # one GPU each, or a share of the cores
-
     # Meet the others through a store, or give up after --join-timeout.
     if args.master_port is None:  # one machine: a file in a private folder, no network port
         common.on_loopback()  # gloo's and NCCL's own sockets too

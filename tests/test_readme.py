@@ -60,7 +60,7 @@ def test_readme_links_point_at_the_ddp_lines():
     """Each row of the README's "From one process to DDP" table names the code (its first
     backticked text) that the lines it links to in spawn_ddp.py and torchrun_ddp.py contain."""
     rows = [line for line in readme().split("## From one process to DDP", 1)[1]
-            .split("\n## ", 1)[0].splitlines() if re.match(r"\| \d+ \|", line)]
+            .split("\n## ", 1)[0].splitlines() if re.match(r"\| (\d+|\+) \|", line)]
     assert len(rows) >= 8
     for row in rows:
         code = re.search(r"`([^`]+)`", row).group(1)
