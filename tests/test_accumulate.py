@@ -87,10 +87,9 @@ def allreduces_per_step(log_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script,extra,env", [
-    ("spawn_ddp.py", (), {}),
-    ("apex_ddp.py", ("--opt-level", "O0"), {"block": "apex"}),  # the native path
+    ("spawn_ddp.py", (), {}),  # PyTorch's DDP, as every native path has it
     ("apex_ddp.py", ("--opt-level", "O0"), {"pythonpath": [STANDIN]}),  # apex's DDP (stand-in)
-], ids=["spawn", "apex-native", "apex-standin"])
+], ids=["spawn", "apex-standin"])
 def test_one_allreduce_per_optimizer_step(tiny_mnist, tmp_path, script, extra, env):
     """DDP all-reduces each bucket once per step: the same count per step with --accumulate 4
     as without it. A forward outside no_sync() would all-reduce in every micro-batch."""

@@ -40,17 +40,21 @@ def command(script, tiny_mnist, ckpt, *more):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_mnist, tmp_path_factory):
-    """The same run without a signal, once per script: what every resumed run must equal."""
+    """The same run without a signal: what every resumed run must equal. The three DDP scripts
+    train the same model at the same world size (one thread per process in each: spawn_ddp.py
+    gives each of 2 processes half the cores, torchrun sets OMP_NUM_THREADS=1), so spawn_ddp.py
+    makes their reference, dp_baseline.py its own."""
     made = {}
 
     def get(script):
-        if script not in made:
+        key = "dp_baseline.py" if script == "dp_baseline.py" else "spawn_ddp.py"
+        if key not in made:
             ckpt = tmp_path_factory.mktemp("straight") / "c.pt"
-            launcher, extra = RUNS[script]
-            run_script(script, "--data-dir", tiny_mnist, *ARGS, *extra, "--checkpoint", ckpt,
-                       launcher=launcher, block="apex")
-            made[script] = load(ckpt)
-        return made[script]
+            launcher, extra = RUNS[key]
+            run_script(key, "--data-dir", tiny_mnist, *ARGS, *extra, "--checkpoint", ckpt,
+                       launcher=launcher, block="apex", OMP_NUM_THREADS=1)
+            made[key] = load(ckpt)
+        return made[key]
     return get
 
 

@@ -69,8 +69,9 @@ def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, launcher):
     """Three submissions of the same file: (1) a job that trains epoch 1 of 2 and writes its
     checkpoint on the shared disk, one writer in the job; (2) the same submission again,
     which continues from it with epoch 2; (3) with --save-on-each-node and the checkpoint on
-    each node's local disk, holding a copy of (1)'s checkpoint: each node resumes from its
-    own copy and writes its own, and the result equals (2)'s bit for bit."""
+    each node's local disk, where only node 0 holds a copy of (1)'s checkpoint: the processes
+    decide together to resume, node 1 receives the copy, each node writes its own, and the
+    result equals (2)'s bit for bit."""
     cluster = slurm_cluster
     jobs = {}
     for job in ("first", "again", "each-node"):  # a folder of its own on every node's disk
@@ -99,8 +100,9 @@ def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, launcher):
     assert len(set().union(*writers.values())) == 1, writers  # one process wrote, every time
     assert sorted(p.name for p in shared.parent.iterdir()) == ["c.pt"]  # no temp file left
     assert load(shared)["epoch"] == 1
-    for n in NODES:  # what (3) will start from: a copy on each node's own disk
-        shutil.copy(shared, cluster.disks[n] / f"{tmp_path.name}-each-node" / "c.pt")
+    # What (3) will start from: a copy on node 0's own disk only; node 1's disk has none (a
+    # node replaced, a requeue onto another node): it receives the copy from node 0.
+    shutil.copy(shared, cluster.disks[NODES[0]] / f"{tmp_path.name}-each-node" / "c.pt")
 
     # (2) the same submission again continues from the checkpoint with epoch 2
     out, name = submit("again", shared)
@@ -115,6 +117,7 @@ def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, launcher):
     local = cluster.local_disk / f"{tmp_path.name}-each-node" / "c.pt"  # same path, each node
     out, name = submit("each-node", local, "--save-on-each-node")
     assert f"loaded {local}: 1 epoch(s) + 0 step(s) trained" in out, out
+    assert f"had no copy of {local} at 1 epoch(s) + 0 step(s): rank " in out, out
     writers = check_job(cluster, name, local)
     assert all(len(writers[n]) == 1 for n in NODES), writers  # one writer on each node
     copies = [load(cluster.disks[n] / name / "c.pt") for n in NODES]
@@ -174,6 +177,9 @@ def check_stopped_and_requeued(cluster, job, out, ckpt, jobdir, reference):
         f"job {job}: {info['JobState']} {info['ExitCode']} Restarts={info['Restarts']}\n" \
         f"{text}{cluster.logs()}"
     assert text.count(f"job {job}: 2 node(s) x 1 process(es)") == 2, text  # the script ran twice
+    # the second run on another port: the first run's connections may still hold its own
+    ports = re.findall(rf"job {job}: 2 node\(s\) x 1 process\(es\), \S+ [^:]+:(\d+)", text)
+    assert len(ports) == 2 and ports[0] != ports[1], text
     lines = [ln for ln in text.splitlines() if "preempted:" in ln]
     assert len(lines) == 1, text  # global rank 0 says it, once
     step, epoch, path = PREEMPTED.search(lines[0]).groups()
