@@ -460,7 +460,11 @@ def clean_exit(who=""):
         line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         line = re.sub(r"^\[\S+\] ", "", line.strip())  # drop gloo's "[source.cc:123] "
         say(f"{who}error: distributed: {line[:300]}")
-        code = 1
+        # The group is broken: leave without Python's teardown, in which gloo's threads can
+        # still abort the process ("terminate called without an active exception", exit -6).
+        # What the run wrote is on disk already (metrics and TensorBoard flush every record).
+        sys.stdout.flush()
+        os._exit(1)
     except KeyboardInterrupt:
         say(f"{who}interrupted")
         code = 130

@@ -53,6 +53,33 @@ def tiny_mnist(tmp_path_factory):
     return make_tiny_mnist(tmp_path_factory.mktemp("mnist"))
 
 
+@pytest.fixture(scope="session")
+def straight(tiny_mnist, tmp_path_factory):
+    """Runs that nothing interrupts, trained once per session and shared by every test that
+    compares with one: straight(nproc, batch, epochs) is the folder of its final checkpoint
+    `c.pt`, its metrics `m.jsonl` and its records `rec/` (tests/instrument). One process:
+    dp_baseline.py with every core; more: torchrun_ddp.py with one thread per process, which
+    trains exactly what spawn_ddp.py, apex_ddp.py's native O0 path, two nodes of one process
+    and two SLURM nodes train at that world size (tests compare them bit for bit)."""
+    made = {}
+
+    def get(nproc, batch, epochs):
+        if (nproc, batch, epochs) not in made:
+            d = tmp_path_factory.mktemp(f"straight-{nproc}x-batch{batch}-epochs{epochs}")
+            (d / "rec").mkdir()
+            args = ("--data-dir", tiny_mnist, "--batch-size", batch, "--epochs", epochs,
+                    "--log-interval", 5, "--checkpoint", d / "c.pt", "--metrics", d / "m.jsonl")
+            if nproc == 1:
+                run_script("dp_baseline.py", *args, record=d / "rec")
+            else:
+                run_script("torchrun_ddp.py", *args, record=d / "rec", OMP_NUM_THREADS=1,
+                           launcher=("-m", "torch.distributed.run", "--standalone",
+                                     f"--nproc-per-node={nproc}"))
+            made[nproc, batch, epochs] = d
+        return made[nproc, batch, epochs]
+    return get
+
+
 def script_env(record=None, block=None, pythonpath=(), gpus=False, **extra):
     """The environment of a script under test: tests/instrument on the path, no instrumentation
     unless asked for, every warning shown. The GPUs are hidden unless `gpus`: the CPU tests

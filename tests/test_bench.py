@@ -41,42 +41,50 @@ def test_bench_table_on_tiny_data(tiny_mnist):
         assert "AVX-512 yes, AVX512_BF16 no, AMX yes" in machine, machine
 
 
-def test_bench_compares_batch_sizes_layouts_and_environments(tiny_mnist, tmp_path):
-    """Several options at once, every combination side by side: the LR table (test accuracy
-    after every epoch, per global batch), one ratio line per option, and the chart."""
+def test_bench_compares_batch_sizes_and_layouts(tiny_mnist, tmp_path):
+    """Two options at once, every combination side by side: the LR table (test accuracy after
+    every epoch, per global batch), one ratio line per option, and the chart."""
     chart = tmp_path / "chart.png"
     r = run_script("bench.py", "--data-dir", tiny_mnist, "--reps", 1, "--epochs", 2,
                    "--batch-size", 64, 128, "--scripts", "dp_baseline", "--world-sizes", 1,
-                   "--channels-last", "both", "--with-env", "BENCH_TEST_VARIABLE=1", "--png",
-                   chart, timeout=400)
+                   "--channels-last", "both", "--png", chart, timeout=400)
     labels = [row[0] for row in table_rows(r.stdout)]
-    assert len(labels) == 8 and len(set(labels)) == 8  # 2 batch sizes x 2 layouts x 2 envs
+    assert len(labels) == 4 and len(set(labels)) == 4  # 2 batch sizes x 2 layouts
     lr_table = table_rows(r.stdout.split("Test accuracy after each epoch")[1])
-    assert len(lr_table) == 8
+    assert len(lr_table) == 4
     for row in lr_table:
         batch, rule, peak = int(row[2]), row[3], float(row[4])
         assert rule == "sqrt" and abs(peak - 0.01 * (batch / 256) ** 0.5) < 1e-5, row
         assert all(re.fullmatch(r"\d+\.\d\d \(\d+\.\d\d\)", c) for c in row[5:7]), row
-    for what in (r"with --channels-last / without", r"with \+env / without",
-                 r"with batch 128 / with batch 64"):
+    for what in (r"with --channels-last / without", r"with batch 128 / with batch 64"):
         assert re.search(rf"dp_baseline .*x1: epoch time {what}: \d+\.\d\d", r.stdout), what
     assert chart.read_bytes().startswith(b"\x89PNG")
 
 
-def test_bench_compares_workers_the_stop_agreement_and_another_checkout(tiny_mnist, tmp_path):
-    """--workers 0 1, --checkpoint both (the SIGTERM agreement on), and --against a copy of the
-    scripts (another commit's, in real use)."""
+def test_bench_compares_workers_and_the_stop_agreement(tiny_mnist):
+    """--workers 0 1 and --checkpoint both (the SIGTERM agreement on)."""
+    r = run_script("bench.py", "--data-dir", tiny_mnist, "--reps", 1, "--batch-size", 64,
+                   "--scripts", "dp_baseline", "--world-sizes", 1, "--workers", 0, 1,
+                   "--checkpoint", "both", timeout=400)
+    labels = {row[0] for row in table_rows(r.stdout)}
+    assert labels == {f"dp_baseline {w}{c}" for w in ("workers 0", "workers 1")
+                      for c in ("", " +checkpoint")}
+    for what in ("with --workers 1 / with --workers 0",
+                 r"with --checkpoint \(the SIGTERM agreement\) / without"):
+        assert re.search(rf"dp_baseline .*x1: epoch time {what}: \d+\.\d\d", r.stdout), what
+
+
+def test_bench_compares_environments_and_another_checkout(tiny_mnist, tmp_path):
+    """--with-env (variables set for a second run of each configuration) and --against a copy
+    of the scripts (another commit's, in real use)."""
     other = tmp_path / "other"
     other.mkdir()
     for f in ROOT.glob("*.py"):
         shutil.copy(f, other)
     r = run_script("bench.py", "--data-dir", tiny_mnist, "--reps", 1, "--batch-size", 64,
-                   "--scripts", "dp_baseline", "--world-sizes", 1, "--workers", 0, 1,
-                   "--checkpoint", "both", "--against", other, timeout=500)
+                   "--scripts", "dp_baseline", "--world-sizes", 1,
+                   "--with-env", "BENCH_TEST_VARIABLE=1", "--against", other, timeout=400)
     labels = {row[0] for row in table_rows(r.stdout)}
-    assert labels == {f"dp_baseline {w}{c}{a}" for w in ("workers 0", "workers 1")
-                      for c in ("", " +checkpoint") for a in ("", f" @{other}")}
-    for what in ("with --workers 1 / with --workers 0",
-                 r"with --checkpoint \(the SIGTERM agreement\) / without",
-                 rf"with @{re.escape(str(other))} / with the scripts here"):
+    assert labels == {f"dp_baseline{e}{a}" for e in ("", " +env") for a in ("", f" @{other}")}
+    for what in (r"with \+env / without", rf"with @{re.escape(str(other))} / with the scripts here"):
         assert re.search(rf"dp_baseline .*x1: epoch time {what}: \d+\.\d\d", r.stdout), what

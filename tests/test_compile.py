@@ -14,7 +14,6 @@ run with --seed 1 against --seed 0, differs by 2.3.
 import shutil
 
 import pytest
-import torch
 
 import common
 from conftest import load, max_rel_diff, run_script

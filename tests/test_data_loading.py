@@ -21,7 +21,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-import torch
 
 import common
 from conftest import N_TRAIN, ROOT, assert_same_training_state, load, max_rel_diff, \
@@ -123,12 +122,11 @@ def test_one_process_accumulating_two_draws_what_two_processes_draw(repo, tiny_m
 
 
 def test_sigterm_to_every_process_with_workers_then_an_exact_resume(repo, tiny_mnist,
-                                                                    tmp_path):
+                                                                    tmp_path, two_processes):
     """torchrun, 2 processes with 2 data workers each; SIGTERM to every process of the job
-    (the workers too, as torchrun's os.killpg and SLURM's scancel send it)."""
-    straight = tmp_path / "straight"
-    train(repo, straight / "log", "--workers", 2, "--checkpoint", straight / "c.pt",
-          launcher=TORCHRUN, data=tiny_mnist)
+    (the workers too, as torchrun's os.killpg and SLURM's scancel send it). It ends where
+    spawn_ddp.py's straight run with the same flags ends, with the same draws."""
+    straight = two_processes
     ckpt, log = tmp_path / "c.pt", tmp_path / "log"
     log.mkdir()
     cmd = [sys.executable, *TORCHRUN, str(repo / "torchrun_ddp.py"), "--data-dir",

@@ -38,27 +38,11 @@ def command(script, tiny_mnist, ckpt, *more):
             *map(str, ARGS), *map(str, extra), "--checkpoint", str(ckpt), *map(str, more)]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_mnist, tmp_path_factory):
-    """The same run without a signal: what every resumed run must equal. The three DDP scripts
-    train the same model at the same world size (one thread per process in each: spawn_ddp.py
-    gives each of 2 processes half the cores, torchrun sets OMP_NUM_THREADS=1), so spawn_ddp.py
-    makes their reference, with one thread per process on any machine; dp_baseline.py its own,
-    with the threads it takes when resumed (all cores: a sum over other threads rounds
-    differently)."""
-    made = {}
-
-    def get(script):
-        key = "dp_baseline.py" if script == "dp_baseline.py" else "spawn_ddp.py"
-        if key not in made:
-            ckpt = tmp_path_factory.mktemp("straight") / "c.pt"
-            launcher, extra = RUNS[key]
-            threads = {} if key == "dp_baseline.py" else {"OMP_NUM_THREADS": 1}
-            run_script(key, "--data-dir", tiny_mnist, *ARGS, *extra, "--checkpoint", ckpt,
-                       launcher=launcher, block="apex", **threads)
-            made[key] = load(ckpt)
-        return made[key]
-    return get
+def threads(script):
+    """One thread per process in the DDP scripts on any machine, as in conftest's `straight`
+    runs (spawn_ddp.py would take cores / processes: another rounding on a bigger machine);
+    dp_baseline.py takes every core, in its straight run too."""
+    return {} if script == "dp_baseline.py" else {"OMP_NUM_THREADS": 1}
 
 
 def start_and_signal(cmd, who, after_step=5, **env):
@@ -87,11 +71,11 @@ def start_and_signal(cmd, who, after_step=5, **env):
 
 @pytest.mark.parametrize("script,who,workers", CASES,
                          ids=[f"{s}-{w}-workers{n}" for s, w, n in CASES])
-def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tmp_path,
-                                                                  uninterrupted, script, who,
-                                                                  workers):
+def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tmp_path, straight,
+                                                                  script, who, workers):
     ckpt = tmp_path / "c.pt"
-    r = start_and_signal(command(script, tiny_mnist, ckpt, "--workers", workers), who)
+    r = start_and_signal(command(script, tiny_mnist, ckpt, "--workers", workers), who,
+                         **threads(script))
     assert "DataLoader worker" not in r.stderr, r.stderr
     torchrun = bool(RUNS[script][0])
     # torchrun's agent itself ends with exit code 1 and its own SignalException traceback
@@ -109,10 +93,11 @@ def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tm
     launcher, extra = RUNS[script]
     r2 = run_script(script, "--data-dir", tiny_mnist, *ARGS, *extra, "--checkpoint", ckpt,
                     "--resume", "--metrics", tmp_path / "m.jsonl", "--workers", workers,
-                    launcher=launcher, block="apex")
+                    launcher=launcher, block="apex", **threads(script))
     assert f"0 epoch(s) + {snap['step']} step(s) trained" in r2.stdout
     assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
-    assert_same_training_state(uninterrupted(script), load(ckpt))
+    nproc = 1 if script == "dp_baseline.py" else 2
+    assert_same_training_state(load(straight(nproc, 32, 2) / "c.pt"), load(ckpt))
 
 
 def test_sigterm_without_checkpoint_stops_cleanly(tiny_mnist):

@@ -7,7 +7,6 @@ command is checked without running anything."""
 import functools
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from conftest import ROOT, assert_same_training_state, free_port, load, read_metrics, \
-    run_script, script_env
+    script_env
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +22,11 @@ ARGS = ("--batch-size", 64, "--epochs", 2, "--log-interval", 5, "--timeout", 60,
 MESSAGE = "had no copy of ckpt/c.pt at 1 epoch(s) + 0 step(s): rank {} sends its copy"
 
 
-@pytest.fixture(scope="module")
-def never_interrupted(tiny_mnist, tmp_path_factory):
-    """2 processes on one node, 2 epochs: two nodes of one process each train the same (one
-    thread per process everywhere, so that the arithmetic is the same too)."""
-    d = tmp_path_factory.mktemp("straight")
-    run_script("torchrun_ddp.py", "--data-dir", tiny_mnist, *ARGS, cwd=d, OMP_NUM_THREADS=1,
-               launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"))
-    return load(d / "ckpt" / "c.pt")
+@pytest.fixture
+def never_interrupted(straight):
+    """2 processes on one node, 2 epochs (conftest): two nodes of one process each train the
+    same (one thread per process everywhere, so that the arithmetic is the same too)."""
+    return load(straight(2, 64, 2) / "c.pt")
 
 
 def launch(cmds, folders):
@@ -62,7 +59,7 @@ def spawn_nodes(tiny_mnist, folders, *extra, resume_on=()):
 
 def check_resumed(folders, outs, never_interrupted):
     text = "\n".join(outs)
-    assert sum(f"loaded ckpt/c.pt: 1 epoch(s) + 0 step(s) trained" in o for o in outs) == 1, text
+    assert sum("loaded ckpt/c.pt: 1 epoch(s) + 0 step(s) trained" in o for o in outs) == 1, text
     assert "had no copy of ckpt/c.pt at 1 epoch(s) + 0 step(s): rank " in text, text
     for f in folders:  # each node wrote its own copy again, the same model on both
         assert_same_training_state(never_interrupted, load(f / "ckpt" / "c.pt"))

@@ -65,16 +65,15 @@ def check_job(cluster, name, ckpt_prefix):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
-def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, launcher):
-    """Three submissions of the same file: (1) a job that trains epoch 1 of 2 and writes its
-    checkpoint on the shared disk, one writer in the job; (2) the same submission again,
-    which continues from it with epoch 2; (3) with --save-on-each-node and the checkpoint on
-    each node's local disk, where only node 0 holds a copy of (1)'s checkpoint: the processes
-    decide together to resume, node 1 receives the copy, each node writes its own, and the
-    result equals (2)'s bit for bit."""
+def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, straight, launcher):
+    """Two submissions of the same file: (1) a job that trains epoch 1 of 2 and writes its
+    checkpoint on the shared disk, one writer in the job; (2) the same submission with
+    --save-on-each-node and the checkpoint on each node's local disk, where only node 0 holds
+    a copy of (1)'s checkpoint: the processes decide together to resume, node 1 receives the
+    copy, each node writes its own, and both copies equal a run never interrupted, bit for bit.
+    (A submission that resumes from the shared disk: the requeue tests below.)"""
     cluster = slurm_cluster
-    jobs = {}
-    for job in ("first", "again", "each-node"):  # a folder of its own on every node's disk
+    for job in ("first", "each-node"):  # a folder of its own on every node's disk
         for n in NODES:
             (cluster.disks[n] / f"{tmp_path.name}-{job}" / "rec").mkdir(parents=True)
 
@@ -85,9 +84,9 @@ def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, launcher):
                          DDP_TEST_RECORD=cluster.local_disk / name / "rec")
         args = ["--data-dir", tiny_mnist, *TRAIN, "--metrics", "m.jsonl", *extra]
         start = time.monotonic()
-        jobs[job] = submit_and_wait(cluster, launcher, tmp_path, env, args)
+        out = submit_and_wait(cluster, launcher, tmp_path, env, args)
         print(f"{launcher} {job}: {time.monotonic() - start:.1f}s")
-        return jobs[job], name
+        return out, name
 
     # (1) one writer in the job, the checkpoint on the shared disk
     shared = tmp_path / "runs" / "c.pt"
@@ -100,29 +99,22 @@ def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, launcher):
     assert len(set().union(*writers.values())) == 1, writers  # one process wrote, every time
     assert sorted(p.name for p in shared.parent.iterdir()) == ["c.pt"]  # no temp file left
     assert load(shared)["epoch"] == 1
-    # What (3) will start from: a copy on node 0's own disk only; node 1's disk has none (a
-    # node replaced, a requeue onto another node): it receives the copy from node 0.
+    # What (2) starts from: a copy on node 0's own disk only; node 1's disk has none (a node
+    # replaced, a requeue onto another node): it receives the copy from node 0.
     shutil.copy(shared, cluster.disks[NODES[0]] / f"{tmp_path.name}-each-node" / "c.pt")
 
-    # (2) the same submission again continues from the checkpoint with epoch 2
-    out, name = submit("again", shared)
-    assert f"loaded {shared}: 1 epoch(s) + 0 step(s) trained" in out, out
-    assert [(r["epoch"], r["world_size"]) for r in read_metrics(tmp_path / "m.jsonl")] == \
-        [(1, 2), (2, 2)]
-    writers = check_job(cluster, name, shared)
-    assert len(set().union(*writers.values())) == 1, writers
-    assert load(shared)["epoch"] == 2
-
-    # (3) no shared disk for checkpoints: one writer per node, each into its own directory
+    # (2) no shared disk for checkpoints: one writer per node, each into its own directory
     local = cluster.local_disk / f"{tmp_path.name}-each-node" / "c.pt"  # same path, each node
     out, name = submit("each-node", local, "--save-on-each-node")
     assert f"loaded {local}: 1 epoch(s) + 0 step(s) trained" in out, out
     assert f"had no copy of {local} at 1 epoch(s) + 0 step(s): rank " in out, out
+    assert [(r["epoch"], r["world_size"]) for r in read_metrics(tmp_path / "m.jsonl")] == \
+        [(1, 2), (2, 2)]
     writers = check_job(cluster, name, local)
     assert all(len(writers[n]) == 1 for n in NODES), writers  # one writer on each node
-    copies = [load(cluster.disks[n] / name / "c.pt") for n in NODES]
-    for copy in copies:
-        assert_same_training_state(load(shared), copy)  # == (2): same training, either way
+    never_interrupted = load(straight(2, 64, 2) / "c.pt")  # the same training (conftest)
+    for n in NODES:
+        assert_same_training_state(never_interrupted, load(cluster.disks[n] / name / "c.pt"))
 
 
 # ---- Time limit and preemption ----------------------------------------------------------------
@@ -139,17 +131,12 @@ def stop_env(ckpt, **extra):
                       CHECKPOINT=ckpt, SAVE_EVERY=4, **extra)
 
 
-@pytest.fixture(scope="module")
-def never_interrupted(slurm_cluster, tiny_mnist, tmp_path_factory):
-    """The final checkpoint of a job that nothing interrupts (the torchrun file, the same
-    training flags): every stopped and requeued job must end with it, bit for bit. The two
-    files train identically, so it serves both."""
-    jobdir = tmp_path_factory.mktemp("never-interrupted")
-    start = time.monotonic()
-    submit_and_wait(slurm_cluster, "torchrun", jobdir, stop_env(jobdir / "c.pt"),
-                    ["--data-dir", tiny_mnist, *STOP_TRAIN])
-    print(f"never interrupted: {time.monotonic() - start:.1f}s")
-    return load(jobdir / "c.pt")
+@pytest.fixture
+def never_interrupted(straight):
+    """The final checkpoint of the same training never interrupted: 2 processes of one thread,
+    2 epochs at batch 64 (conftest). Every stopped and requeued job must end with it, bit for
+    bit."""
+    return load(straight(2, 64, 2) / "c.pt")
 
 
 def submit_until_step(cluster, launcher, jobdir, env, args, step=3):

@@ -23,21 +23,16 @@ def run(script, data, tmp, *extra, nproc=1, **kw):
                       launcher=(*TORCHRUN, f"--nproc-per-node={nproc}"), **kw)
 
 
-@pytest.fixture(scope="module")
-def one_process(tiny_mnist, tmp_path_factory):
-    """dp_baseline.py, 2 epochs straight: the reference at world size 1."""
-    d = tmp_path_factory.mktemp("dp")
-    run("dp_baseline.py", tiny_mnist, d, "--checkpoint", d / "c.pt", "--metrics", d / "m.jsonl")
-    return d
+@pytest.fixture
+def one_process(straight):
+    """dp_baseline.py, 2 epochs straight: the reference at world size 1 (conftest)."""
+    return straight(1, 64, 2)
 
 
-@pytest.fixture(scope="module")
-def two_processes(tiny_mnist, tmp_path_factory):
+@pytest.fixture
+def two_processes(straight):
     """torchrun_ddp.py, 2 processes, 2 epochs straight: the reference at world size 2."""
-    d = tmp_path_factory.mktemp("torchrun")
-    run("torchrun_ddp.py", tiny_mnist, d, "--checkpoint", d / "c.pt", "--metrics", d / "m.jsonl",
-        nproc=2)
-    return d
+    return straight(2, 64, 2)
 
 
 def test_dp_baseline_trains(one_process):

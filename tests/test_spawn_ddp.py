@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import N_TEST, N_TRAIN, ROOT, assert_same_training_state, busy_port, free_port, \
+from conftest import N_TEST, N_TRAIN, ROOT, busy_port, free_port, \
     load, read_metrics, read_records, run_script, script_env
 
 sys.path.insert(0, str(ROOT))

@@ -98,18 +98,9 @@ KILL_ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interv
              "--timeout", 30)  # 19 steps per epoch; snapshots at steps 6, 12, 18 and epoch ends
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_mnist, tmp_path_factory):
-    d = tmp_path_factory.mktemp("uninterrupted")
-    run_script(SCRIPT, "--data-dir", tiny_mnist, *KILL_ARGS, "--checkpoint", d / "snap.pt",
-               launcher=standalone(2), record=d)
-    return d
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["rank 1", "rank 0 while writing"])
-def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, uninterrupted,
-                                                        victim):
+def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, straight, victim):
     """SIGKILL one worker mid-epoch, after the first snapshot. torchrun restarts the group, the
     script resumes from the snapshot by itself, and the final weights equal a run that was
     never interrupted. Killing rank 0 while it writes a snapshot (a slow disk, simulated) must
@@ -143,8 +134,9 @@ def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, uni
     assert "restart 1 (TORCHELASTIC_RESTART_COUNT)" in out
     resumed = [ln for ln in out.splitlines() if ln.startswith(f"loaded {snap}")]
     assert resumed and "+ 0 step(s)" not in resumed[0], out  # resumed in the middle of an epoch
-    assert_same_training_state(load(uninterrupted / "snap.pt"), load(snap))
-    assert_same_final_replicas(uninterrupted, tmp_path / "rec", 2)
+    uninterrupted = straight(2, 32, 2)  # KILL_ARGS's training, never interrupted
+    assert_same_training_state(load(uninterrupted / "c.pt"), load(snap))
+    assert_same_final_replicas(uninterrupted / "rec", tmp_path / "rec", 2)
 
 
 @pytest.mark.slow

@@ -11,14 +11,10 @@ import threading
 import time
 
 import pytest
-import torch
 
 from conftest import ROOT, busy_port, load, read_metrics, script_env, workers_of
 
-sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
-
-pytestmark = pytest.mark.slow  # about 3.5 minutes on 2 cores: out of the quick loop
+pytestmark = pytest.mark.slow  # about 2 minutes on 2 cores: out of the quick loop
 
 SNIPPETS = ROOT / "tests" / "troubleshooting"
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
@@ -121,13 +117,13 @@ def test_slow_save_on_rank_0_fails_the_others_at_the_barrier(tiny_mnist, tmp_pat
 
 
 def test_the_defaults_ride_out_a_slow_save(tiny_mnist, tmp_path):
-    """The other side: rank 0's checkpoint write takes 8 s, longer than --join-timeout (2 s
+    """The other side: rank 0's checkpoint write takes 5 s, longer than --join-timeout (2 s
     here), and the run ends normally with the default --timeout (600 s). The join timeout
     bounds the start only; a collective waits --timeout for a busy process."""
     run = Watched([sys.executable, ROOT / "spawn_ddp.py", "--data-dir", tiny_mnist,
                    "--batch-size", 64, "--log-interval", 5, "--join-timeout", 2,
                    "--checkpoint", tmp_path / "c.pt", "--metrics", tmp_path / "m.jsonl"],
-                  script_env(DDP_TEST_SLOW_SAVE=8), timeout=150)
+                  script_env(DDP_TEST_SLOW_SAVE=5), timeout=150)
     assert run.returncode == 0, run.text
     assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1]
 
@@ -196,8 +192,12 @@ def test_detail_names_the_mismatched_collective(debug):
 def test_a_wrong_gloo_interface_fails_at_once(tiny_mnist):
     run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 30)],
                   script_env(GLOO_SOCKET_IFNAME="nosuchif0"), timeout=120)
-    for rank in (0, 1):
-        run.first(rf"^\[rank {rank}\] error: distributed: .*Unable to find address for: nosuchif0$")
+    # Both ranks fail at once; the first to exit makes the launcher stop the other, which may
+    # not have said why yet: one line at least, each whole and naming the interface.
+    errors = [ln for _, ln in run.lines if "error: distributed:" in ln]
+    assert errors and all(ln.count("error:") == 1 and re.fullmatch(  # not two lines run together
+        r"\[rank [01]\] error: distributed: .*Unable to find address for: nosuchif0", ln)
+        for ln in errors), run.text
     assert run.returncode == 1
     assert "step" not in run.text
 
