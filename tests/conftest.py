@@ -53,6 +53,14 @@ def tiny_mnist(tmp_path_factory):
     return make_tiny_mnist(tmp_path_factory.mktemp("mnist"))
 
 
+def threads(script):
+    """The threads a script under test gets when it must train exactly what a `straight` run
+    trains: one per process in the DDP scripts on any machine (spawn_ddp.py would take cores /
+    processes: another rounding on a bigger machine); dp_baseline.py takes every core, as in
+    its straight run."""
+    return {} if Path(script).name == "dp_baseline.py" else {"OMP_NUM_THREADS": 1}
+
+
 @pytest.fixture(scope="session")
 def straight(tiny_mnist, tmp_path_factory):
     """Runs that nothing interrupts, trained once per session and shared by every test that

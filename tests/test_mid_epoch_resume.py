@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, load, run_script, script_env, wait_for
+from conftest import ROOT, assert_same_training_state, load, run_script, script_env, threads, \
+    wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -26,17 +27,16 @@ ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 
                          ids=["spawn-workers2", "spawn-accumulate", "dp_baseline-workers2"])
 def test_killed_job_resumes_mid_epoch_bit_identical(tiny_mnist, tmp_path, straight, script, procs):
     args = ["--data-dir", tiny_mnist, *ARGS, *procs]
-    # One thread per process in spawn_ddp.py on any machine, as in conftest's straight runs.
-    threads = {"OMP_NUM_THREADS": 1} if script == "spawn_ddp.py" else {}
+    one_thread = threads(script)  # as in conftest's straight runs
     if "--accumulate" in procs:  # a training of its own
-        run_script(script, *args, "--checkpoint", tmp_path / "straight.pt", **threads)
+        run_script(script, *args, "--checkpoint", tmp_path / "straight.pt", **one_thread)
         reference = tmp_path / "straight.pt"
     else:  # the training conftest's straight run does at this world size
         reference = straight(2 if script == "spawn_ddp.py" else 1, 32, 2) / "c.pt"
 
     snap = tmp_path / "snap.pt"
     cmd = [sys.executable, str(ROOT / script), *map(str, args), "--checkpoint", str(snap)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(DDP_TEST_STEP_DELAY=0.05, **threads),
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(DDP_TEST_STEP_DELAY=0.05, **one_thread),
                             text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -49,6 +49,6 @@ def test_killed_job_resumes_mid_epoch_bit_identical(tiny_mnist, tmp_path, straig
     state = load(snap)
     assert state["epoch"] == 0 and state["step"] > 0  # killed in the middle of the first epoch
 
-    r = run_script(script, *args, "--checkpoint", snap, "--resume", **threads)
+    r = run_script(script, *args, "--checkpoint", snap, "--resume", **one_thread)
     assert f"0 epoch(s) + {state['step']} step(s) trained" in r.stdout
     assert_same_training_state(load(reference), load(snap))

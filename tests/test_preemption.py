@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, load, read_metrics, run_script, script_env
+from conftest import ROOT, assert_same_training_state, load, read_metrics, run_script, \
+    script_env, threads
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +37,6 @@ def command(script, tiny_mnist, ckpt, *more):
     launcher, extra = RUNS[script]
     return [sys.executable, *launcher, str(ROOT / script), "--data-dir", str(tiny_mnist),
             *map(str, ARGS), *map(str, extra), "--checkpoint", str(ckpt), *map(str, more)]
-
-
-def threads(script):
-    """One thread per process in the DDP scripts on any machine, as in conftest's `straight`
-    runs (spawn_ddp.py would take cores / processes: another rounding on a bigger machine);
-    dp_baseline.py takes every core, in its straight run too."""
-    return {} if script == "dp_baseline.py" else {"OMP_NUM_THREADS": 1}
 
 
 def start_and_signal(cmd, who, after_step=5, **env):
