@@ -1,6 +1,7 @@
 """Shared test helpers: tiny MNIST IDX files, running the real scripts as subprocesses."""
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock  # installed with torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the tests import common.py
@@ -68,23 +70,30 @@ def straight(tiny_mnist, tmp_path_factory):
     `c.pt`, its metrics `m.jsonl` and its records `rec/` (tests/instrument). One process:
     dp_baseline.py with every core; more: torchrun_ddp.py with one thread per process, which
     trains exactly what spawn_ddp.py, apex_ddp.py's native O0 path, two nodes of one process
-    and two SLURM nodes train at that world size (tests compare them bit for bit)."""
-    made = {}
+    and two SLURM nodes train at that world size (tests compare them bit for bit). Under
+    pytest-xdist (`-n 2`) the test processes share them too: the first to ask trains, under a
+    lock, in the folder the workers' temporary folders have in common."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "straight"
+    shared.mkdir(exist_ok=True)
 
     def get(nproc, batch, epochs):
-        if (nproc, batch, epochs) not in made:
-            d = tmp_path_factory.mktemp(f"straight-{nproc}x-batch{batch}-epochs{epochs}")
-            (d / "rec").mkdir()
-            args = ("--data-dir", tiny_mnist, "--batch-size", batch, "--epochs", epochs,
-                    "--log-interval", 5, "--checkpoint", d / "c.pt", "--metrics", d / "m.jsonl")
-            if nproc == 1:
-                run_script("dp_baseline.py", *args, record=d / "rec")
-            else:
-                run_script("torchrun_ddp.py", *args, record=d / "rec", OMP_NUM_THREADS=1,
-                           launcher=("-m", "torch.distributed.run", "--standalone",
-                                     f"--nproc-per-node={nproc}"))
-            made[nproc, batch, epochs] = d
-        return made[nproc, batch, epochs]
+        d = shared / f"{nproc}x-batch{batch}-epochs{epochs}"
+        with FileLock(f"{d}.lock"):
+            if not (d / "done").exists():
+                shutil.rmtree(d, ignore_errors=True)  # a run that failed half-way
+                (d / "rec").mkdir(parents=True)
+                args = ("--data-dir", tiny_mnist, "--batch-size", batch, "--epochs", epochs,
+                        "--log-interval", 5, "--checkpoint", d / "c.pt",
+                        "--metrics", d / "m.jsonl")
+                if nproc == 1:
+                    run_script("dp_baseline.py", *args, record=d / "rec")
+                else:
+                    run_script("torchrun_ddp.py", *args, record=d / "rec", OMP_NUM_THREADS=1,
+                               launcher=("-m", "torch.distributed.run", "--standalone",
+                                         f"--nproc-per-node={nproc}"))
+                (d / "done").touch()
+        return d
     return get
 
 

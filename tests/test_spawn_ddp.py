@@ -189,9 +189,19 @@ def test_nodes_with_different_process_counts_are_refused(tiny_mnist):
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process_cleanly(tmp_path):
     args = [SCRIPT, "--dummy", "--epochs", 50, "--log-interval", 1, "--checkpoint", tmp_path / "c.pt"]
-    proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=script_env(),
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    # A terminal's Ctrl-C reaches a program that has SIGINT's default action. A test run
+    # started in the background (`pytest &` from a script) ignores SIGINT, and a program it
+    # starts would inherit that: Python then installs no KeyboardInterrupt, and the run goes on.
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # exec resets it to default
+    try:
+        proc = subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=script_env(),
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         for line in proc.stdout:  # wait until training is under way
             if "step" in line:
