@@ -4,8 +4,8 @@ how each ended (rank 0). docs/troubleshooting.md quotes it.
 
     python tests/troubleshooting/unused_parameters.py
 """
+import os
 import socket
-import sys
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,9 @@ def worker(rank, port):
             outcome = "3 steps done"
         except RuntimeError as e:
             outcome = f"step {step} failed: {e}"
-        if rank == 0:
-            print(f"--- DDP(model{''.join(f', {k}={v}' for k, v in options.items())}): {outcome}",
-                  flush=True)
+        if rank == 0:  # one write() of the whole text: rank 1's log lines share the pipe
+            how = "".join(f", {k}={v}" for k, v in options.items())
+            os.write(1, f"--- DDP(model{how}): {outcome}\n".encode())
     dist.destroy_process_group()
 
 
