@@ -87,9 +87,11 @@ def straight(tiny_mnist, tmp_path_factory):
                         "--log-interval", 5, "--checkpoint", d / "c.pt",
                         "--metrics", d / "m.jsonl")
                 if nproc == 1:
-                    run_script("dp_baseline.py", *args, record=d / "rec")
+                    run_script("dp_baseline.py", *args, record=d / "rec",
+                               **threads("dp_baseline.py"))
                 else:
-                    run_script("torchrun_ddp.py", *args, record=d / "rec", OMP_NUM_THREADS=1,
+                    run_script("torchrun_ddp.py", *args, record=d / "rec",
+                               **threads("torchrun_ddp.py"),
                                launcher=("-m", "torch.distributed.run", "--standalone",
                                          f"--nproc-per-node={nproc}"))
                 (d / "done").touch()
