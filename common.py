@@ -268,6 +268,7 @@ def evaluate(model, test_set, device, batch_size, workers=0, rank=0, world_size=
     model.eval()
     shard = Subset(test_set, range(rank, len(test_set), world_size))
     loader = DataLoader(shard, batch_size=batch_size, num_workers=workers, collate_fn=collate,
+                        multiprocessing_context=worker_start(workers),
                         pin_memory=device.type == "cuda", worker_init_fn=worker_init)
     counts = kept(torch.zeros(2, dtype=torch.long, device=device))
     for x, y in start_workers(loader):
@@ -860,30 +861,61 @@ class ResumableSampler(Sampler):
         return max(0, len(self.sampler) - self.skip)
 
 
-def start_workers(loader):
-    """iter(loader), with SIGTERM blocked in this thread while the loader starts its worker
-    processes: each worker, and every thread it starts before worker_init runs (numpy's
-    OpenBLAS starts one at fork), inherits the block (fork and exec keep it), and worker_init
-    takes it from there."""
-    if loader.num_workers and hasattr(signal, "pthread_sigmask"):
+def worker_start(workers):
+    """The DataLoader's multiprocessing_context: workers forked from a fork server (a process of
+    its own, with torch imported once), not from the training process. A training process runs
+    the process group's threads, and gloo's takes and drops a Python thread state after each
+    collective; a worker forked at that instant hangs before its first line on CPython before
+    3.11.10 and 3.10.15 (python/cpython#112275), and its training process waits for a batch
+    until --timeout (docs/training.md). Python 3.12 warns about fork() in a process with
+    threads, and 3.14 makes the fork server the default. The server starts here, with SIGTERM
+    blocked: a signal to the whole job leaves it, and the workers it forks (start_workers), to
+    their training process. None for workers=0, and where there is no fork server (Windows)."""
+    if not workers or "forkserver" not in torch.multiprocessing.get_all_start_methods():
+        return None
+    from multiprocessing import forkserver, resource_tracker
+    forkserver.set_forkserver_preload(["torch"])  # once; each worker then imports the script
+    resource_tracker.ensure_running()  # before the block: starting the tracker unblocks SIGTERM
+    with sigterm_blocked():
+        forkserver.ensure_running()
+    return torch.multiprocessing.get_context("forkserver")
+
+
+@contextlib.contextmanager
+def sigterm_blocked():
+    """SIGTERM blocked in this thread, and in every process started meanwhile (a signal mask
+    survives fork and exec); a no-op where there are no signal masks (Windows)."""
+    before = None
+    if hasattr(signal, "pthread_sigmask"):
         before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        try:
-            return iter(loader)
-        finally:
+    try:
+        yield
+    finally:
+        if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
-    return iter(loader)
+
+
+def start_workers(loader):
+    """iter(loader), with SIGTERM blocked while the loader starts its worker processes: each
+    worker, and every thread it starts before worker_init runs (numpy's OpenBLAS starts one at
+    fork), starts with it blocked (from the fork server's mask, or this thread's), and
+    worker_init takes it from there."""
+    if not loader.num_workers:
+        return iter(loader)
+    with sigterm_blocked():
+        return iter(loader)
 
 
 def worker_init(worker_id):
     """DataLoader's worker_init_fn. A SIGTERM to the whole job (SLURM's scancel, torchrun's
     os.killpg on each rank's process group) also reaches the data workers, and PyTorch's handler
     lets a worker die of one that its parent did not send; its training process then fails
-    before it can save. Here a worker exits on a SIGTERM from its parent, as before, and
-    ignores one from anybody else: the training process stops the run, and its workers with it.
-    Linux (signal.sigwaitinfo, with SIGTERM blocked by start_workers); elsewhere the workers
-    keep PyTorch's handler."""
+    before it can save. Here a worker exits on a SIGTERM from its training process (the
+    DataLoader shutting it down), as before, and ignores one from anybody else: the training
+    process stops the run, and its workers with it. Linux (signal.sigwaitinfo, with SIGTERM
+    blocked by start_workers); elsewhere the workers keep PyTorch's handler."""
     if hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask"):
-        parent = os.getppid()
+        parent = torch.multiprocessing.parent_process().pid  # not the fork server: getppid()
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # and in later threads
 
         def wait_for_sigterm():

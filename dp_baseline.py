@@ -43,8 +43,9 @@ class Trainer:
                                           shuffle=True, seed=args.seed)
         self.loader = DataLoader(self.train_set, batch_size=args.batch_size,
                                  sampler=common.ResumableSampler(self.sampler),
-                                 num_workers=args.workers, pin_memory=device.type == "cuda",
-                                 collate_fn=common.collate, worker_init_fn=common.worker_init)
+                                 num_workers=args.workers, worker_init_fn=common.worker_init,
+                                 multiprocessing_context=common.worker_start(args.workers),
+                                 pin_memory=device.type == "cuda", collate_fn=common.collate)
         self.steps = len(self.loader)
 
         # Model: the same seed, so the same initial weights in every process.

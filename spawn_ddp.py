@@ -55,7 +55,6 @@ def main():
 
 
 def worker(local_rank, nproc, store_file, args):
-    mp.set_start_method(None, force=True)  # data workers: the OS's default, not spawn (inherited)
     with common.clean_exit(f"[rank {args.node_rank * nproc + local_rank}] "):
         train(local_rank, nproc, store_file, args)
 
@@ -100,8 +99,9 @@ class Trainer:
                                           shuffle=True, seed=args.seed)
         self.loader = DataLoader(self.train_set, batch_size=args.batch_size // world_size,
                                  sampler=common.ResumableSampler(self.sampler),
-                                 num_workers=args.workers, pin_memory=device.type == "cuda",
-                                 collate_fn=common.collate, worker_init_fn=common.worker_init)
+                                 num_workers=args.workers, worker_init_fn=common.worker_init,
+                                 multiprocessing_context=common.worker_start(args.workers),
+                                 pin_memory=device.type == "cuda", collate_fn=common.collate)
         self.steps = len(self.loader)
 
         # Model: the same seed, so the same initial weights in every process.

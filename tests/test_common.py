@@ -8,6 +8,7 @@ scripts (test_data_loading.py and the per-script files)."""
 import argparse
 import os
 import random
+import re
 import signal
 import socket
 
@@ -100,7 +101,8 @@ def test_the_epoch_reaches_workers_persistent_ones_too(persistent):
     (persistent_workers=True) still draw epoch 1's values in epoch 1."""
     data = common.PerSampleSeeds(Draws(), seed=0)
     loader = DataLoader(data, batch_size=8, num_workers=2, persistent_workers=persistent,
-                        worker_init_fn=common.worker_init)
+                        worker_init_fn=common.worker_init,
+                        multiprocessing_context=common.worker_start(2))  # as the scripts start them
     by_epoch = []
     for epoch in range(2):
         data.set_epoch(epoch)
@@ -108,6 +110,36 @@ def test_the_epoch_reaches_workers_persistent_ones_too(persistent):
     fresh = common.PerSampleSeeds(Draws(), seed=0)
     fresh.set_epoch(1)
     assert by_epoch[1] == draws(DataLoader(fresh, batch_size=8)) != by_epoch[0]
+
+
+class Whereabouts(Dataset):
+    """Each sample: the worker's pid, its parent's, and the pid it takes for its training process."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return torch.tensor([os.getpid(), os.getppid(), torch.multiprocessing.parent_process().pid])
+
+
+def test_workers_start_from_a_fork_server_with_one_thread():
+    """common.worker_start: a training process has the process group's threads, and a worker
+    forked from it can hang before its first line (python/cpython#112275). The scripts' workers
+    are forked from a server with one thread instead, which the job's SIGTERM leaves alone
+    (blocked), and each worker still takes this process for its training process (worker_init
+    exits on a SIGTERM from it, the DataLoader shutting it down)."""
+    assert common.worker_start(0) is None
+    loader = DataLoader(Whereabouts(), batch_size=1, num_workers=2, worker_init_fn=common.worker_init,
+                        multiprocessing_context=common.worker_start(2))
+    rows = [batch[0].tolist() for batch in common.start_workers(loader)]
+    assert len({pid for pid, _, _ in rows}) == 2
+    servers = {parent for _, parent, _ in rows}
+    assert len(servers) == 1 and os.getpid() not in servers
+    status = open(f"/proc/{servers.pop()}/status").read()
+    assert re.search(r"^Threads:\s+1$", status, re.M)
+    blocked = int(re.search(r"^SigBlk:\s+(\w+)$", status, re.M).group(1), 16)
+    assert blocked >> (signal.SIGTERM - 1) & 1
+    assert {training for _, _, training in rows} == {os.getpid()}
 
 
 def test_a_batched_dataset_is_passed_through_with_one_seed_per_batch():

@@ -8,8 +8,9 @@ _mnist_datasets = make_datasets  # noqa: F821 (this file is appended to common.p
 def _log(kind, **row):
     folder = os.environ.get("DDP_TEST_TASK_LOG")
     if folder:
+        parent = torch.multiprocessing.parent_process()  # a data worker's: its training process
         row.update(rank=dist.get_rank() if distributed() else None, pid=os.getpid(),
-                   parent=os.getppid())  # a data worker has no group: its parent's rank
+                   parent=parent and parent.pid)  # a data worker has no group: its parent's rank
         with open(os.path.join(folder, f"{kind}-{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")
 
