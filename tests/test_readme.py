@@ -65,6 +65,8 @@ def test_readme_links_point_at_the_ddp_lines():
         code = re.search(r"`([^`]+)`", row).group(1)
         links = re.findall(r"\]\(([\w.]+\.py)#L(\d+)\)", row)
         assert {f for f, _ in links} == {"spawn_ddp.py", "torchrun_ddp.py"}, row
+        for shown, line in re.findall(r"\[(\d+)\]\([\w.]+\.py#L(\d+)\)", row):
+            assert shown == line, f"README shows line {shown} but links to line {line}: {row}"
         for name, line in links:
             text = (ROOT / name).read_text().splitlines()[int(line) - 1]
             assert code in text, f"README: {name}#L{line} is {text.strip()!r}, not {code!r}"
