@@ -863,7 +863,7 @@ class ResumableSampler(Sampler):
 
 def worker_start(workers):
     """The DataLoader's multiprocessing_context: workers forked from a fork server (a process of
-    its own, with torch imported once), not from the training process. A training process runs
+    its own, with torch and torchvision imported once), not from the training process. A training process runs
     the process group's threads, and gloo's takes and drops a Python thread state after each
     collective; a worker forked at that instant hangs before its first line on CPython before
     3.11.10 and 3.10.15 (python/cpython#112275), and its training process waits for a batch
@@ -874,7 +874,10 @@ def worker_start(workers):
     if not workers or "forkserver" not in torch.multiprocessing.get_all_start_methods():
         return None
     from multiprocessing import forkserver, resource_tracker
-    forkserver.set_forkserver_preload(["torch"])  # once; each worker then imports the script
+    # Imported once in the server, not by every worker each epoch; a task's dataset that
+    # needs another heavy package can add it here. (Not this repo's modules: Python 3.11's
+    # server ignores the training process's sys.path, and may find another common.py.)
+    forkserver.set_forkserver_preload(["torch", "torchvision"])
     resource_tracker.ensure_running()  # before the block: starting the tracker unblocks SIGTERM
     with sigterm_blocked():
         forkserver.ensure_running()
