@@ -870,14 +870,14 @@ def worker_start(workers):
     until --timeout (docs/training.md). Python 3.12 warns about fork() in a process with
     threads, and 3.14 makes the fork server the default. The server starts here, with SIGTERM
     blocked: a signal to the whole job leaves it, and the workers it forks (start_workers), to
-    their training process. None for workers=0, and where there is no fork server (Windows)."""
+    their training process. None for workers=0, and where there is no fork server (Windows).
+    The server imports torch and torchvision, not every worker each epoch (a task needing
+    another heavy package can add it); not this repo's modules: Python 3.11's server ignores
+    the training process's sys.path and could find another common.py."""
     if not workers or "forkserver" not in torch.multiprocessing.get_all_start_methods():
         return None
     from multiprocessing import forkserver, resource_tracker
-    # Imported once in the server, not by every worker each epoch; a task's dataset that
-    # needs another heavy package can add it here. (Not this repo's modules: Python 3.11's
-    # server ignores the training process's sys.path, and may find another common.py.)
-    forkserver.set_forkserver_preload(["torch", "torchvision"])
+    forkserver.set_forkserver_preload(["torch", "torchvision"])  # not ours: see the docstring
     resource_tracker.ensure_running()  # before the block: starting the tracker unblocks SIGTERM
     with sigterm_blocked():
         forkserver.ensure_running()
