@@ -157,12 +157,13 @@ def test_a_skipped_collective_aborts_on_gloo_when_the_next_one_is_small(tiny_mni
     assert run.returncode == 1
 
 
-def test_detail_debug_level_crashes_ddp_on_gloo(tiny_mnist):
+def test_detail_debug_level_crashes_ddp_on_gloo(tiny_mnist, tmp_path):
     """torch 2.14: with TORCH_DISTRIBUTED_DEBUG=DETAIL, DDP's constructor dies with SIGSEGV on
     gloo, before the first step (the same happens without these scripts: the page has the
     ten lines). INFO runs (test_info_names_the_parameters_without_a_gradient)."""
     run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 10)],
-                  script_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"), timeout=120)
+                  script_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"), timeout=120,
+                  cwd=tmp_path)  # where a core dump (1.5 GB) may land: not the repository
     run.first(r"^error: worker [01] exited with code -11$")
     assert run.returncode == 1
     assert "step" not in run.text
