@@ -231,6 +231,18 @@ def test_unwritable_checkpoint_fails_before_training(tiny_mnist, launch):
     assert_error_line(r, "--checkpoint /proc/x/c.pt", "cannot create the folder")
 
 
+def test_detail_debug_level_is_refused_on_gloo(tiny_mnist, tmp_path):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL makes DDP's constructor read the wrong object on gloo
+    (test_ddp_reads_the_wrong_object_under_detail_on_gloo): a clear line instead of a worker
+    dying with SIGSEGV, or not, depending on memory. torch reads the variable when it is
+    imported, so this is a real launch, not a row of the table."""
+    r = run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--log-interval", 1, check=False,
+                   timeout=120, cwd=tmp_path, TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    assert r.returncode == 2, r.stderr
+    assert_error_line(r, "TORCH_DISTRIBUTED_DEBUG=DETAIL", "use INFO")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ["spawn", "torchrun"])
 def test_malformed_data_fails_with_the_file_named(tiny_mnist, tmp_path, launch):
