@@ -604,8 +604,8 @@ def check_args(args, world_size, local_processes, one_node=True, process_group=T
     if process_group and not gpus and dist.get_debug_level() == dist.DebugLevel.DETAIL:
         # DDP's constructor reads the gloo group's thread count from DETAIL's wrapper as if it
         # were the group: a read of the wrong object, which crashes or not (troubleshooting.md)
-        raise Fatal("TORCH_DISTRIBUTED_DEBUG=DETAIL makes DDP on gloo (CPU) read invalid memory "
-                    "and crash in torch; use INFO (docs/troubleshooting.md)")
+        raise Fatal("TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch's DDP read invalid memory on gloo "
+                    "(CPU), and crash or not; use INFO (docs/troubleshooting.md)")
     if args.compile and not cuda and cpp_compiler() is None:  # else a traceback at step 1
         raise Fatal("--compile on a CPU needs a C++ compiler for inductor: none runs as $CXX or "
                     "g++; install g++ or point CXX to one")
