@@ -27,13 +27,18 @@ def gloo_threads(exit_record):
 
 def test_the_check_sees_gloo_threads(tmp_path):
     """Control: a group that is never destroyed leaves its gloo threads, and the record shows
-    them. Without this, a renamed thread would make the test below pass whatever happens."""
-    code = ("import torch.distributed as dist; "
-            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)")
+    them. Without this, a renamed thread would make the test below pass whatever happens.
+    A gloo thread names itself when it first runs, so one collective runs first: without it,
+    under load, the snippet could exit before either had run (a busy CI run did). The exit
+    code is not checked: the threads left behind may abort the process after the record is
+    written ("terminate called without an active exception", 1 run in 40 with a busy core)."""
+    code = ("import torch, torch.distributed as dist; "
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1); "
+            "dist.all_reduce(torch.ones(1))  # run by a gloo thread: it has named itself")
     (tmp_path / "snippet.py").write_text(code)
-    run_script(tmp_path / "snippet.py", record=tmp_path)
+    run = run_script(tmp_path / "snippet.py", record=tmp_path, check=False, cwd=tmp_path)
     [record] = read_records(tmp_path, "exit")
-    assert gloo_threads(record)
+    assert gloo_threads(record), (record, run.returncode, run.stderr)
 
 
 @pytest.mark.parametrize("script", RUNS)
