@@ -868,17 +868,17 @@ class ResumableSampler(Sampler):
 
 def worker_start(workers):
     """The DataLoader's multiprocessing_context: workers forked from a fork server (a process of
-    its own, with torch and torchvision imported once), not from the training process. A training process runs
-    the process group's threads, and gloo's takes and drops a Python thread state after each
-    collective; a worker forked at that instant hangs before its first line on CPython before
-    3.11.10 and 3.10.15 (python/cpython#112275), and its training process waits for a batch
-    until --timeout (docs/training.md). Python 3.12 warns about fork() in a process with
-    threads, and 3.14 makes the fork server the default. The server starts here, with SIGTERM
-    blocked: a signal to the whole job leaves it, and the workers it forks (start_workers), to
-    their training process. None for workers=0, and where there is no fork server (Windows).
-    The server imports torch and torchvision, not every worker each epoch (a task needing
-    another heavy package can add it); not this repo's modules: Python 3.11's server ignores
-    the training process's sys.path and could find another common.py."""
+    its own), not from the training process. A training process runs the process group's
+    threads, and gloo's takes and drops a Python thread state after each collective; a worker
+    forked at that instant hangs before its first line on CPython before 3.11.10 and 3.10.15
+    (python/cpython#112275), and its training process waits for a batch until --timeout
+    (docs/training.md). Python 3.12 warns about fork() in a process with threads, and 3.14 makes
+    the fork server the default. The server starts here, with SIGTERM blocked: a signal to the
+    whole job leaves it, and the workers it forks (start_workers), to their training process.
+    None for workers=0, and where there is no fork server (Windows). The server imports torch
+    and torchvision, not every worker each epoch (a task needing another heavy package can add
+    it); not this repo's modules: Python 3.11's server ignores the training process's sys.path
+    and could find another common.py."""
     if not workers or "forkserver" not in torch.multiprocessing.get_all_start_methods():
         return None
     from multiprocessing import forkserver, resource_tracker
