@@ -81,25 +81,31 @@ def sockets_of(pid):
 
 def listening_while_it_runs(cmd, env_extra=(), cwd=ROOT):
     """Runs `cmd` to its end; {(role, address, port)} of every listening socket seen in the
-    meantime, role "launcher" for the process started, "child" for its descendants."""
+    meantime, role "launcher" for a socket the process started held, "child" for one only its
+    descendants held. By socket, not by process: a child between its fork and its exec still
+    holds the launcher's descriptors (torchrun's agent starts its workers with Popen, which
+    closes them in the child just before the exec; a busy CI run saw one there)."""
     env = script_env(DDP_TEST_STEP_DELAY=0.05, **dict(env_extra))
     proc = subprocess.Popen([sys.executable, *map(str, cmd)], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    seen = set()
+    address, launchers = {}, set()  # inode: (address, port); inodes the launcher held
     deadline = time.monotonic() + 180
     while proc.poll() is None and time.monotonic() < deadline:
         table = listening_inodes()
         for pid in family(proc.pid):
             for inode in sockets_of(pid) & table.keys():
-                seen.add(("launcher" if pid == proc.pid else "child", *table[inode]))
+                address[inode] = table[inode]
+                if pid == proc.pid:
+                    launchers.add(inode)
         time.sleep(0.05)
     if proc.poll() is None:
         os.killpg(proc.pid, 9)
     out = proc.communicate()[0]
     assert proc.returncode == 0, out
     assert "epoch 2 train_loss" in out, out  # it trained while we looked
-    return seen
+    return {("launcher" if inode in launchers else "child", *where)
+            for inode, where in address.items()}
 
 
 def not_loopback(seen):
