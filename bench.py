@@ -15,6 +15,9 @@ first.
     python bench.py --data-dir ../shared/data --compile both --epochs 2  # eager and compiled
     python bench.py --data-dir ../shared/data --against ../old-checkout  # another commit's scripts
     python bench.py --dummy --reps 1 --scripts spawn_ddp --world-sizes 1 2
+    python bench.py --target "test_rmse<=0.5" --data-dir my/data   # another task's metric
+
+Flags that bench.py does not know (the task's: --data-dir, --dummy, ...) go to every script.
 """
 import argparse
 import itertools
@@ -23,6 +26,7 @@ import os
 import platform
 import statistics
 import subprocess
+import re
 import sys
 import tempfile
 import time
@@ -31,10 +35,10 @@ from pathlib import Path
 import torch
 
 import common
+import harness
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = ("dp_baseline", "spawn_ddp", "torchrun_ddp", "apex_ddp")
-TARGET = 99.0  # test accuracy, percent
 ENV = "+env"  # the row label of a run with the --with-env variables
 BOTH = {"off": [False], "on": [True], "both": [False, True]}
 
@@ -54,7 +58,7 @@ def command(script, world_size, amp, repo):
     # apex_ddp.py picks precision by --opt-level: O0 is fp32; natively O1 is fp16 on GPUs, bf16
     # on a CPU with bf16 instructions and fp32 on other CPUs
     native_o1 = ("fp16" if torch.cuda.is_available() else
-                 "bf16" if common.fast_bf16_cpu() else "none")
+                 "bf16" if harness.fast_bf16_cpu() else "none")
     if amp not in ("none", native_o1):
         return None
     return [*torchrun, f"{repo}/apex_ddp.py", "--opt-level", "O0" if amp == "none" else "O1"]
@@ -63,8 +67,7 @@ def command(script, world_size, amp, repo):
 def run_once(cmd, threads, args, seed, v):
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
-        data = ["--dummy"] if args.dummy else ["--data-dir", args.data_dir]
-        full = [*cmd, *data, "--seed", str(seed), "--epochs", str(args.epochs),
+        full = [*cmd, *args.task, "--seed", str(seed), "--epochs", str(args.epochs),
                 "--batch-size", str(v["batch"]), "--lr-scaling", v["rule"],
                 "--log-interval", str(10 ** 9), "--metrics", str(metrics)]
         full += ["--channels-last"] * v["channels_last"] + ["--compile"] * v["compile"]
@@ -79,16 +82,20 @@ def run_once(cmd, threads, args, seed, v):
             tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-8:])
             raise common.Fatal(f"{' '.join(full)} exited with {p.returncode}:\n{tail}")
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metric, op, target = args.target
+    if metric not in rows[-1]:
+        raise common.Fatal(f"--target {metric}: the scripts report no such metric; they report "
+                           f"{', '.join(k for k in rows[-1] if k not in ('epoch', 'world_size'))}")
     elapsed, to_target = 0.0, None
     for r in rows:
         elapsed += r["epoch_seconds"]
-        if to_target is None and r["test_acc"] >= TARGET:
+        if to_target is None and (r[metric] >= target if op == ">=" else r[metric] <= target):
             to_target = elapsed
-    return {"to_target": to_target, "acc": rows[-1]["test_acc"], "wall": wall,
+    return {"to_target": to_target, "acc": rows[-1][metric], "wall": wall,
             "startup": wall - elapsed, "first_s": rows[0]["epoch_seconds"],  # first: compiles
             "later_s": (statistics.mean(r["epoch_seconds"] for r in rows[1:])
                         if len(rows) > 1 else None),
-            "accs": [r["test_acc"] for r in rows],
+            "accs": [r[metric] for r in rows],
             "epoch_s": statistics.mean(r["epoch_seconds"] for r in rows),
             "samples_s": statistics.mean(r["samples_per_s"] for r in rows),
             "data_wait": statistics.mean(r["data_wait"] for r in rows)}
@@ -104,14 +111,14 @@ def spread(values, fmt="{:.1f}"):
 
 
 def machine():
-    """The CPU with the features that decide which precision pays (see common.fast_bf16_cpu)."""
-    caps = common.cpu_features()
+    """The CPU with the features that decide which precision pays (see harness.fast_bf16_cpu)."""
+    caps = harness.cpu_features()
     cpu = caps.get("cpu_name") or platform.processor() or platform.machine()
     names = {"x86_64": (("AVX-512", "avx512_f"), ("AVX512_BF16", "avx512_bf16"), ("AMX", "amx_bf16")),
              "arm64": (("BF16", "bf16"), ("SVE", "sve"))}.get(caps.get("architecture"), ())
     features = ", ".join(f"{name} {'yes' if caps.get(key) else 'no'}" for name, key in names)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu} ({features or 'features unknown'}), {common.cpu_count()} cores, {gpu}; "
+    return (f"{cpu} ({features or 'features unknown'}), {harness.cpu_count()} cores, {gpu}; "
             f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
@@ -125,58 +132,67 @@ def main():
             cmd = command(s, n, variants[v]["amp"], variants[v]["repo"])
             results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, variants[v]))
     print(f"\nMachine: {machine()}")
-    print(f"Work: {'synthetic data' if args.dummy else 'MNIST'}, {args.epochs} epoch(s), global "
+    print(f"Work: task flags '{' '.join(args.task)}', {args.epochs} epoch(s), global "
           f"batch {' '.join(map(str, args.batch_size))}, --lr-scaling "
           f"{' '.join(args.lr_scaling)}, --amp {' '.join(args.amp)}, --channels-last {args.channels_last}, "
           f"--compile {args.compile}, --workers {' '.join(map(str, args.workers or ['default']))}, "
           f"--checkpoint {args.checkpoint}, {args.reps} seed(s) per row; median (min-max)"
           + (f"; {ENV}: {args.with_env}" if args.with_env else "")
           + (f"; @{args.against}: the scripts there" if args.against else "") + "\n")
-    print_table(results)
+    print_table(results, args.target)
     if len(args.batch_size) > 1 or len(args.lr_scaling) > 1:
-        print_accuracy_per_epoch(results, variants, args.epochs)
+        print_accuracy_per_epoch(results, variants, args.epochs, args.target)
     print_ratios(results, options, variants, args)
     if args.png:
         save_chart(results, args.png, f"{machine()}\n--amp {' '.join(args.amp)}, {args.reps} seed(s)")
 
 
+def target(text):
+    """--target NAME>=VALUE or NAME<=VALUE: a metric of --metrics and the value to reach."""
+    match = re.fullmatch(r"(\w+)\s*(>=|<=)\s*(\S+)", text)
+    try:
+        return match.group(1), match.group(2), float(match.group(3))
+    except (AttributeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected NAME>=VALUE or NAME<=VALUE, got {text!r}")
+
+
 def parse_args():
-    p = common.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", default=os.environ.get("MNIST_DIR", "./data"),
-                   help="MNIST root (default: $MNIST_DIR or ./data)")
-    p.add_argument("--dummy", action="store_true", help="synthetic data (speed only)")
+    p = harness.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=target, default="test_acc>=99", help="the metric and value "
+                   "whose time to reach the table shows, and whose mean and worst it shows "
+                   "(default: test_acc>=99)")
     p.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=list(SCRIPTS))
-    p.add_argument("--world-sizes", nargs="+", type=common.positive_int, default=[1, 2])
-    p.add_argument("--amp", nargs="+", choices=list(common.AMP_DTYPES), default=["none"],
+    p.add_argument("--world-sizes", nargs="+", type=harness.positive_int, default=[1, 2])
+    p.add_argument("--amp", nargs="+", choices=["none", "bf16", "fp16"], default=["none"],
                    help="precision(s); several run side by side (default: none)")
     p.add_argument("--channels-last", choices=["off", "on", "both"], default="off",
                    help="run with --channels-last: off, on, or both side by side (default: off)")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off",
                    help="run with --compile: off, on, or both side by side; the first epoch "
                    "includes the compilation, so give --epochs 2 or more (default: off)")
-    p.add_argument("--batch-size", nargs="+", type=common.positive_int, default=[256],
+    p.add_argument("--batch-size", nargs="+", type=harness.positive_int, default=[256],
                    help="global batch; several values run side by side (default: 256)")
     p.add_argument("--lr-scaling", nargs="+", choices=list(common.LR_RULES), default=["sqrt"],
                    help="LR rule(s) to compare (default: sqrt); with several batch sizes or "
                    "rules the report adds test accuracy after every epoch")
-    p.add_argument("--workers", nargs="+", type=common.natural_int, help="--workers of the "
+    p.add_argument("--workers", nargs="+", type=harness.natural_int, help="--workers of the "
                    "scripts; several values run side by side (default: the scripts' own)")
     p.add_argument("--checkpoint", choices=["off", "on", "both"], default="off",
                    help="run with --checkpoint (a file in a temporary folder), which also turns "
-                   "on the per-step SIGTERM agreement: off, on, or both side by side (default: off)")
+                   "on the SIGTERM agreement (every 10 steps): off, on, or both side by side (default: off)")
     p.add_argument("--against", metavar="DIR", help="also run every configuration with the "
                    "scripts in DIR (e.g. a git worktree of another commit), side by side (rows "
                    "marked @DIR)")
     p.add_argument("--with-env", metavar="'NAME=VALUE ...'", help="also run every configuration "
                    "with these environment variables set, side by side (rows marked +env)")
-    p.add_argument("--reps", type=common.positive_int, default=5, help="repetitions, seeds "
+    p.add_argument("--reps", type=harness.positive_int, default=5, help="repetitions, seeds "
                    "0..reps-1 (default: 5)")
-    p.add_argument("--epochs", type=common.positive_int, default=1)
-    p.add_argument("--timeout", type=common.positive_float, default=900, help="seconds per run "
+    p.add_argument("--epochs", type=harness.positive_int, default=1)
+    p.add_argument("--timeout", type=harness.positive_float, default=900, help="seconds per run "
                    "(default: 900)")
     p.add_argument("--png", metavar="PATH", help="also save a chart of the epoch times (needs "
                    "matplotlib)")
-    args = p.parse_args()
+    args, args.task = p.parse_known_args()  # the rest: the task's flags, for every script
     if args.png:
         try:
             import matplotlib  # noqa: F401
@@ -215,15 +231,16 @@ def plan(args):
 
 def threads(n):
     """Each process's share of the cores."""
-    return max(1, common.cpu_count() // n)
+    return max(1, harness.cpu_count() // n)
 
 
 def name(s, v):
     return f"{s} {v}".strip()
 
 
-def print_table(results):
-    print(f"| script | processes x threads | s to {TARGET:g}% | test acc. mean (worst) | "
+def print_table(results, target):
+    metric, op, value = target
+    print(f"| script | processes x threads | s to {metric} {op} {value:g} | {metric} mean (worst) | "
           "epoch s | samples/s | data wait | DDP efficiency | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (s, v, n), rs in results.items():
@@ -233,25 +250,27 @@ def print_table(results):
             eff = f"{median(rs, 'samples_s') / median(ones, 'samples_s'):.2f}"
         reached = sum(r["to_target"] is not None for r in rs)
         accs = [r["acc"] for r in rs]
+        worst = min(accs) if op == ">=" else max(accs)
         print(f"| {name(s, v)} | {n} x {threads(n)} | {spread([r['to_target'] for r in rs])}"
               f"{'' if reached == len(rs) else f' ({reached}/{len(rs)} reached)'} | "
-              f"{statistics.mean(accs):.2f} ({min(accs):.2f}) | {spread([r['epoch_s'] for r in rs])} | "
+              f"{statistics.mean(accs):.4g} ({worst:.4g}) | {spread([r['epoch_s'] for r in rs])} | "
               f"{spread([r['samples_s'] for r in rs], '{:.0f}')} | "
               f"{spread([100 * r['data_wait'] for r in rs], '{:.1f}')}% | {eff} | "
               f"{spread([r['wall'] for r in rs])} |")
 
 
-def print_accuracy_per_epoch(results, variants, epochs):
+def print_accuracy_per_epoch(results, variants, epochs, target):
     """How each batch size and LR rule learns, epoch by epoch."""
-    print("\nTest accuracy after each epoch, mean (worst) over the seeds:\n")
+    worst = min if target[1] == ">=" else max
+    print(f"\n{target[0]} after each epoch, mean (worst) over the seeds:\n")
     print("| script | processes | global batch | LR rule | peak LR | "
           + " | ".join(f"epoch {e + 1}" for e in range(epochs)) + " | epoch s |")
     print("|---|---|---|---|---|" + "---|" * epochs + "---|")
-    lr = common.build_parser("").get_default("lr")  # the scripts' --lr
+    lr = 0.01  # the scripts' default --lr
     for (s, v, n), rs in results.items():
         batch, rule = variants[v]["batch"], variants[v]["rule"]
         peak = common.peak_lr(argparse.Namespace(lr=lr, batch_size=batch, lr_scaling=rule))
-        cells = [f"{statistics.mean(a):.2f} ({min(a):.2f})" for a in zip(*(r["accs"] for r in rs))]
+        cells = [f"{statistics.mean(a):.2f} ({worst(a):.2f})" for a in zip(*(r["accs"] for r in rs))]
         print(f"| {name(s, v)} | {n} | {batch} | {rule} | {peak:.4g} | {' | '.join(cells)} | "
               f"{spread([r['epoch_s'] for r in rs])} |")
 
@@ -360,5 +379,5 @@ def save_chart(results, path, title):
 
 
 if __name__ == "__main__":
-    with common.clean_exit():
+    with harness.clean_exit():
         main()

@@ -1,141 +1,108 @@
-"""nn.DataParallel: the single-process baseline that DDP replaced (docs/training.md).
+"""One process: the training that spawn_ddp.py makes data-parallel (README.md).
 
     python dp_baseline.py [--gpus 0,1]     # every visible GPU (or those given), or the CPU
 """
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader, RandomSampler
 
 import common
+import harness
+import resumable
 
 
 def main():
-    parser = common.build_parser(__doc__, processes=False)  # no --timeout, --save-on-each-node
-    parser.add_argument("--gpus", type=common.gpu_ids, help="GPU ids, e.g. 0,1 (default: all)")
-    args = parser.parse_args()
-
-    gpus = list(range(torch.cuda.device_count())) if args.gpus is None else args.gpus
-    common.check_args(args, world_size=1, local_processes=1, process_group=False)
-    common.check_outputs(args)  # before any work that could be lost
-    common.prepare_data(args)  # download once per machine, before training
-    device = common.process_device(gpus[0] if gpus else 0, 1)  # inputs go to the first GPU
-    common.say_once(f"DataParallel over GPU(s) {gpus}" if gpus else "no GPU: one process", device)
-    wish = common.RESUME if args.resume or args.evaluate else common.NO_RESUME
-    trainer = Trainer(args, device, gpus, wish)
-    trainer.evaluate() if args.evaluate else trainer.train()
+    args = harness.parse_args(__doc__, "dp")
+    harness.check_args(args)
+    common.prepare_data(args)  # download once per machine, before any process reads the data
+    train(args)
 
 
-class Trainer:
-    """One process's share of the training: set-up, one step, one epoch, a snapshot."""
+def train(args):
+    rank, world_size = 0, 1  # one process (spawn_ddp.py: several)
+    device = harness.process_device(args.gpus[0] if args.gpus else 0, 1)  # first GPU, or CPU
+    cuda = device.type == "cuda"
 
-    def __init__(self, args, device, gpus, wish):
-        self.args, self.device, self.rank, self.world_size = args, device, 0, 1  # one process
-        self.report = common.Reporter(args, self.rank, self.world_size)
-        self.report.log(common.describe_lr(args))
+    # Data: this process's part of each global batch, from its sampler; augmentation per sample.
+    train_set, test_set = common.make_datasets(args)
+    train_set = resumable.PerSampleSeeds(train_set, args.seed)
+    sampler = RandomSampler(train_set, generator=torch.Generator())  # seeded at each epoch
+    batch_size = args.batch_size // world_size
+    loader = DataLoader(train_set, batch_size, sampler=resumable.Skippable(sampler),
+                        num_workers=args.workers, collate_fn=common.collate, pin_memory=cuda,
+                        **resumable.worker_options(args.workers))
+    # Evaluation: each process takes its share of the test set, every sample counted once.
+    test_loader = DataLoader(test_set, batch_size,
+                             num_workers=args.workers, collate_fn=common.collate, pin_memory=cuda,
+                             **resumable.worker_options(args.workers))
+    resumable.start_workers(loader, test_loader)
+    report = harness.Reporter(args, rank, world_size, device)
 
-        # Data: the sampler deals each process its own shard (the same seed everywhere, or the
-        # shards overlap), and each process loads its part of the global batch. Augmentation
-        # is drawn per sample from (seed, epoch, index): different on every rank.
-        train_set, self.test_set = common.make_datasets(args)
-        self.train_set = common.PerSampleSeeds(train_set, args.seed)
-        self.sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0,
-                                          shuffle=True, seed=args.seed)
-        self.loader = DataLoader(self.train_set, batch_size=args.batch_size,
-                                 sampler=common.ResumableSampler(self.sampler),
-                                 num_workers=args.workers, worker_init_fn=common.worker_init,
-                                 multiprocessing_context=common.worker_start(args.workers),
-                                 pin_memory=device.type == "cuda", collate_fn=common.collate)
-        self.steps = len(self.loader)
+    # Model, optimizer and schedule from --seed; with --resume, continued from --checkpoint.
+    torch.manual_seed(args.seed)
+    layout = torch.channels_last if args.channels_last else torch.preserve_format
+    model = common.make_model(args).to(device, memory_format=layout)
+    harness.check_task(model, test_set, device, world_size)
+    optimizer = common.make_optimizer(model, args)
+    steps = len(loader)  # per epoch
+    scheduler = common.make_scheduler(optimizer, args, steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
+    wish = resumable.RESUME if args.resume or args.evaluate else resumable.NO_RESUME
+    ckpt = resumable.agreed_checkpoint(args.checkpoint, wish, device, report.log)
+    epoch, step = resumable.restore(ckpt, model, optimizer, scheduler, scaler, args.checkpoint,
+                                    report.log)
+    net = nn.DataParallel(model, args.gpus) if len(args.gpus) > 1 else model  # docs/training.md
 
-        # Model: the same seed, so the same initial weights in every process.
-        torch.manual_seed(args.seed)
-        self.layout = torch.channels_last if args.channels_last else torch.preserve_format
-        model = common.make_model(args).to(device, memory_format=self.layout)
-        self.optimizer = common.make_optimizer(model, args)
-        self.scheduler = common.make_scheduler(self.optimizer, args, self.steps)
-        self.amp = common.AMP_DTYPES[args.amp]
-        self.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16: none
+    def save(epoch, step):  # the plain model's state: no "module." prefix
+        if args.checkpoint:
+            common.save_checkpoint(common.checkpoint_state(
+                model, optimizer, scheduler, scaler, epoch, step, args), args.checkpoint)
 
-        # Resume from --checkpoint: all processes decide together (common.agreed_checkpoint).
-        self.epoch, self.step = 0, 0
-        ckpt = common.agreed_checkpoint(args.checkpoint, wish, device, self.report.log)
-        if ckpt:
-            self.epoch, self.step = common.restore(ckpt, model, self.optimizer, self.scheduler,
-                                                   self.scaler, args.checkpoint)
-            self.report.log(f"loaded {args.checkpoint}: {self.epoch} epoch(s) + {self.step} "
-                            "step(s) trained")
-        self.lr = common.SchedulerAfterScaler(self.scheduler, self.scaler)
-
-        # Every step: copied to every GPU, run in threads, gradients summed on the first GPU.
-        self.model = nn.DataParallel(model, device_ids=gpus or None)
-        # SIGTERM (a scheduler's notice): with a checkpoint, stop and save, all at one step.
-        self.stop = common.StopSignal(snapshot=bool(args.checkpoint))
-
-    def train(self):
-        for epoch in range(self.epoch, self.args.epochs):
-            self._run_epoch(epoch, first_step=self.step if epoch == self.epoch else 0)
-            if epoch + 1 == self.args.stop_after:
-                break
-        self.stop.close()
-        self.report.close()
-
-    def evaluate(self):
-        accuracy = common.accuracy_fields(*self._evaluate())
-        self.report.record(epoch=self.epoch, evaluate=True, **accuracy)
-
-    def _run_epoch(self, epoch, first_step):
-        self.sampler.set_epoch(epoch)  # a new shuffle each epoch, else every epoch is the same
-        self.train_set.set_epoch(epoch)  # and new augmentation
-        # Resuming mid-epoch: set_epoch gives the same order as before; skip what was trained.
-        self.loader.sampler.skip = first_step * self.loader.batch_size
-        self.model.train()
-        stats = common.EpochStats(self.device)
-        for step, (x, y) in enumerate(stats.timed(self.loader), first_step + 1):
-            if self.stop():  # SIGTERM: stop before this step, after a snapshot
-                self._save_snapshot(epoch, step - 1)
-                raise self.stop.stopped(self.args, epoch, step - 1)
-            self._run_batch(epoch, step, x, y, stats)
-            if step % self.args.log_interval == 0:
+    if args.evaluate:  # the model in --checkpoint, on the test set, and nothing else
+        report.record(epoch=epoch, evaluate=True, **common.evaluate(model, test_loader, device))
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    stop = resumable.StopSignal(args.checkpoint, device, steps)  # SIGTERM: stop, and save
+    scale = scaler.get_scale()
+    for epoch in range(epoch, epoch if args.evaluate else args.stop_after or args.epochs):
+        sampler.generator.manual_seed(args.seed + epoch)  # a new order each epoch
+        train_set.set_epoch(epoch)  # and new augmentation
+        loader.sampler.skip = step * batch_size  # resuming mid-epoch: skip what was trained
+        model.train()
+        stats = harness.EpochStats(device)
+        for step, (inputs, target) in enumerate(stats.timed(loader), step + 1):
+            if stop(step):  # SIGTERM: stop before this step, after a snapshot
+                save(epoch, step - 1)
+                raise stop.stopped(args.checkpoint, epoch, step - 1)
+            inputs = common.to_device(inputs, device, args.channels_last)
+            target = target.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            # --accumulate N: N micro-batches add up their gradients, then one optimizer step.
+            for k, (x, y, share, last) in enumerate(
+                    resumable.micro_batches(inputs, target, args.accumulate)):
+                resumable.seed_step(args.seed, epoch, step, rank + world_size * k)  # dropout
+                with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                    loss = common.loss_fn(common.forward(net, x), y)
+                scaler.scale(loss * share).backward()
+                stats.add(loss, len(y))
+            scaler.step(optimizer)  # with fp16, skipped when a gradient overflowed
+            scaler.update()
+            if scaler.get_scale() >= scale:  # so the schedule waits for a skipped step
+                scheduler.step()
+            scale = scaler.get_scale()
+            if step % args.log_interval == 0:
                 loss = stats.loss_sum.item() / stats.seen
-                lr = self.scheduler.get_last_lr()[0]
-                self.report.progress(epoch, step, self.steps, loss, lr, stats)
-            if self.args.save_every and step % self.args.save_every == 0 and step < self.steps:
-                self._save_snapshot(epoch, step)
+                report.progress(epoch, step, steps, loss, scheduler.get_last_lr()[0], stats)
+            if args.save_every and step % args.save_every == 0 and step < steps:
+                save(epoch, step)
         train_loss = stats.loss_sum.item() / stats.seen
-        speed = stats.speed(self.world_size)  # the epoch's, before the evaluation
-        accuracy = common.accuracy_fields(*self._evaluate())
-        self._save_snapshot(epoch + 1, 0)
-        self.report.record(epoch=epoch + 1, train_loss=train_loss, **accuracy, **speed)
-
-    def _run_batch(self, epoch, step, x, y, stats):
-        x = x.to(self.device, non_blocking=True, memory_format=self.layout)
-        y = y.to(self.device, non_blocking=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        # --accumulate N: N micro-batches add their gradients, then one optimizer step.
-        for k, xk, yk, share, _ in common.micro_batches(x, y, self.args.accumulate):
-            # Dropout: a different draw on every rank (the one that would take micro-batch k
-            # with N times the processes), and the same again after a resume.
-            common.seed_step(self.args.seed, epoch, step, self.rank + self.world_size * k)
-            with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-                loss = common.loss_fn(self.model(xk), yk)
-            self.scaler.scale(loss * share).backward()  # summed onto the first GPU here
-            stats.add(loss, len(yk))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.lr.step()  # not after a step that fp16's scaler skipped
-
-    def _evaluate(self):  # exact: every test sample counted once
-        return common.evaluate(self.model.module, self.test_set, self.device, self.loader.batch_size,
-                               self.args.workers, self.rank, self.world_size)
-
-    def _save_snapshot(self, epoch, step):
-        if self.args.checkpoint:  # the unwrapped model: no "module." prefix
-            state = common.checkpoint_state(self.model.module, self.optimizer, self.scheduler,
-                                            self.scaler, epoch, step, self.args)
-            common.save_checkpoint(state, self.args.checkpoint)
+        speed = stats.speed(world_size)  # the epoch's, before the evaluation
+        metrics = common.evaluate(model, test_loader, device)
+        save(epoch + 1, 0)
+        report.record(epoch=epoch + 1, train_loss=train_loss, **metrics, **speed)
+        step = 0
+    stop.close()
 
 
 if __name__ == "__main__":
-    with common.clean_exit():
+    with harness.clean_exit():
         main()

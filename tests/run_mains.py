@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import common  # noqa: E402
+import harness  # noqa: E402
 
 
 class Started(BaseException):
@@ -40,12 +41,15 @@ def started(*args, **kwargs):
 
 
 mode = {}
-_parse_args = common.Parser.parse_args
+# bench.py parses its own flags with parse_known_args (the rest go to the scripts); the scripts
+# with parse_args, which refuses a flag it does not know
+METHOD = "parse_known_args" if os.path.basename(script) == "bench.py" else "parse_args"
+_parse = getattr(harness.Parser, METHOD)
 
 
-def parse_args(self, *args, **kwargs):
-    """The scripts' parser; in the parse and describe modes the case ends here."""
-    parsed = _parse_args(self, *args, **kwargs)
+def parse(self, *args, **kwargs):
+    """The program's parser; in the parse and describe modes the case ends here."""
+    parsed = _parse(self, *args, **kwargs)
     if mode.get("describe"):
         mode["flags"] = [[a.option_strings, a.default, a.nargs != 0] for a in self._actions
                          if a.option_strings and a.dest != "help"]
@@ -54,8 +58,9 @@ def parse_args(self, *args, **kwargs):
     return parsed
 
 
-common.Parser.parse_args = parse_args
+setattr(harness.Parser, METHOD, parse)
 common.make_datasets = started    # every training script builds its datasets before the first step
+common.mnist_datasets = started   # so that MNIST's prepare_data still knows the task for MNIST's
 mp.spawn = started                # spawn_ddp.py starts its workers
 subprocess.run = started          # bench.py runs the scripts
 subprocess.Popen = started

@@ -59,7 +59,6 @@ def rows(tmp, data):
         (SCRIPTS, ["--checkpoint", folder], {}, "--checkpoint"),          # a folder
         (SCRIPTS, ["--metrics", "/proc/x/m.jsonl"], {}, "--metrics"),
         (SCRIPTS, ["--metrics", folder], {}, "--metrics"),
-        (SCRIPTS, ["--tensorboard", "/proc/x/tb"], {}, "--tensorboard"),
         (SCRIPTS, ["--log-interval", "0"], {}, "--log-interval"),
         (SCRIPTS, ["--no-such-flag"], {}, "--no-such-flag"),
         (SCRIPTS, ["--data-dir", "/dev/null"], {}, "/dev/null"),
@@ -196,10 +195,10 @@ def test_missing_output_folders_are_created_and_said(tiny_mnist, tmp_path):
     """The good side of the output checks: missing folders are made before training, once."""
     new = tmp_path / "new"
     args = ["--dummy", "--checkpoint", str(new / "ck" / "c.pt"), "--metrics",
-            str(new / "m" / "m.jsonl"), "--tensorboard", str(new / "tb")]
+            str(new / "m" / "m.jsonl")]
     [result] = run_mains("spawn_ddp.py", [{"argv": args, "env": {}}])
     assert result["started"] and not result["stderr"].strip()
-    for folder in ("ck", "m", "tb"):
+    for folder in ("ck", "m"):
         assert (new / folder).is_dir()
         assert f"created folder {new / folder}" in result["stdout"]
 

@@ -50,7 +50,7 @@ def test_bench_compares_batch_sizes_and_layouts(tiny_mnist, tmp_path):
                    "--channels-last", "both", "--png", chart, timeout=400)
     labels = [row[0] for row in table_rows(r.stdout)]
     assert len(labels) == 4 and len(set(labels)) == 4  # 2 batch sizes x 2 layouts
-    lr_table = table_rows(r.stdout.split("Test accuracy after each epoch")[1])
+    lr_table = table_rows(r.stdout.split("test_acc after each epoch")[1])
     assert len(lr_table) == 4
     for row in lr_table:
         batch, rule, peak = int(row[2]), row[3], float(row[4])

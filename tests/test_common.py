@@ -1,28 +1,39 @@
-"""The pieces of common.py that make the DataLoader path exact under DDP, each checked in this
-process (no launch): the batched MNIST dataset and its collate, per-sample seeds for random
-augmentation (also through persistent workers), a mid-epoch resume that skips in the sampler,
+"""The pieces of common.py, resumable.py and harness.py, each checked in this process (no
+launch): the batched MNIST dataset and its collate, batches of any structure on the device,
+per-sample seeds for random augmentation (also through persistent workers), data workers
+forked before any thread of a process group, a mid-epoch resume that skips in the sampler,
 per-step seeds for dropout, one write per diagnostic line, the port check after a run that
-just ended, the resume decision of a single process, SIGTERM without a checkpoint, and the LR
-schedule after a skipped fp16 step. The multi-process behaviour is tested by launching the
-scripts (test_data_loading.py and the per-script files)."""
+just ended, the resume decision of a single process, and SIGTERM without a checkpoint. The
+multi-process behaviour is tested by launching the scripts (test_data_loading.py and the
+per-script files)."""
 import argparse
 import os
 import random
 import re
 import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import common
+import harness
+import resumable
 from conftest import N_TEST, N_TRAIN, free_port
 
 
-def args_for(data=None, **kw):
+def args_for(data=None, launcher="dp", **kw):
     """The scripts' defaults, as parsed, with some values replaced."""
-    args = common.build_parser("").parse_args(["--data-dir", str(data)] if data else ["--dummy"])
+    argv = sys.argv
+    try:
+        sys.argv = ["script", *(["--data-dir", str(data)] if data else ["--dummy"])]
+        args = harness.parse_args("", launcher)
+    finally:
+        sys.argv = argv
     for k, v in kw.items():
         setattr(args, k, v)
     return args
@@ -52,6 +63,22 @@ def test_collate_passes_a_whole_batch_through_and_collates_samples():
     assert x.shape == (2, 3) and y.tolist() == [1, 2]
 
 
+def test_inputs_of_any_structure_reach_the_device_and_the_model():
+    """A tensor, a tuple or a dict of tensors: moved whole, passed as model(x), model(*x) and
+    model(**x); channels_last converts 4-D tensors (images) and nothing else."""
+    images, mask = torch.zeros(2, 3, 4, 4), torch.ones(2, 5, dtype=torch.bool)
+    moved = common.to_device({"images": images, "mask": mask}, torch.device("cpu"), True)
+    assert moved["images"].is_contiguous(memory_format=torch.channels_last)
+    assert moved["mask"].is_contiguous() and moved["mask"].dtype == torch.bool
+    pair = common.to_device((images, mask), torch.device("cpu"))
+    assert isinstance(pair, tuple) and pair[0].is_contiguous()
+    seen = []
+    model = lambda *a, **k: seen.append((len(a), sorted(k)))  # noqa: E731
+    common.forward(model, images), common.forward(model, (images, mask))
+    common.forward(model, {"images": images, "mask": mask})
+    assert seen == [(1, []), (2, []), (0, ["images", "mask"])]
+
+
 # ---- random augmentation: drawn per sample from (seed, epoch, index) -----------------------
 
 class Draws(Dataset):
@@ -69,16 +96,16 @@ def draws(loader):
 
 
 def test_per_sample_seeds_do_not_depend_on_order_workers_or_rank():
-    data = common.PerSampleSeeds(Draws(), seed=7)
+    data = resumable.PerSampleSeeds(Draws(), seed=7)
     data.set_epoch(3)
     single = draws(DataLoader(data, batch_size=5))
     shuffled = draws(DataLoader(data, batch_size=8, shuffle=True, num_workers=2,
-                                worker_init_fn=common.worker_init))
+                                worker_init_fn=resumable.worker_init))
     assert single == shuffled  # any order, any number of workers: sample i draws the same
     assert len({v for v in single.values()}) == len(single)  # and samples differ
     data.set_epoch(4)
     assert all(a != b for a, b in zip(single.values(), draws(DataLoader(data, batch_size=5)).values()))
-    other_seed = common.PerSampleSeeds(Draws(), seed=8)
+    other_seed = resumable.PerSampleSeeds(Draws(), seed=8)
     other_seed.set_epoch(3)
     assert draws(DataLoader(other_seed, batch_size=5)) != single
 
@@ -99,62 +126,68 @@ def test_without_them_every_rank_draws_the_same():
 def test_the_epoch_reaches_workers_persistent_ones_too(persistent):
     """set_epoch writes to shared memory: workers started in epoch 0 and kept alive
     (persistent_workers=True) still draw epoch 1's values in epoch 1."""
-    data = common.PerSampleSeeds(Draws(), seed=0)
+    data = resumable.PerSampleSeeds(Draws(), seed=0)
     loader = DataLoader(data, batch_size=8, num_workers=2, persistent_workers=persistent,
-                        worker_init_fn=common.worker_init,
-                        multiprocessing_context=common.worker_start(2))  # as the scripts start them
+                        worker_init_fn=resumable.worker_init, multiprocessing_context="fork")
+    if persistent:
+        resumable.start_workers(loader)  # as the scripts start them
     by_epoch = []
     for epoch in range(2):
         data.set_epoch(epoch)
         by_epoch.append(draws(loader))
-    fresh = common.PerSampleSeeds(Draws(), seed=0)
+    fresh = resumable.PerSampleSeeds(Draws(), seed=0)
     fresh.set_epoch(1)
     assert by_epoch[1] == draws(DataLoader(fresh, batch_size=8)) != by_epoch[0]
 
 
 class Whereabouts(Dataset):
-    """Each sample: the worker's pid, its parent's, and the pid it takes for its training process."""
+    """Each sample: the worker's pid and its parent's."""
 
     def __len__(self):
         return 4
 
     def __getitem__(self, index):
-        return torch.tensor([os.getpid(), os.getppid(), torch.multiprocessing.parent_process().pid])
+        return torch.tensor([os.getpid(), os.getppid()])
 
 
-def test_workers_start_from_a_fork_server_with_one_thread():
-    """common.worker_start: a training process has the process group's threads, and a worker
-    forked from it can hang before its first line (python/cpython#112275). The scripts' workers
-    are forked from a server with one thread instead, which the job's SIGTERM leaves alone
-    (blocked), and each worker still takes this process for its training process (worker_init
-    exits on a SIGTERM from it, the DataLoader shutting it down)."""
-    assert common.worker_start(0) is None
-    loader = DataLoader(Whereabouts(), batch_size=1, num_workers=2, worker_init_fn=common.worker_init,
-                        multiprocessing_context=common.worker_start(2))
-    rows = [batch[0].tolist() for batch in common.start_workers(loader)]
-    assert len({pid for pid, _, _ in rows}) == 2
-    servers = {parent for _, parent, _ in rows}
-    assert len(servers) == 1 and os.getpid() not in servers
-    status = open(f"/proc/{servers.pop()}/status").read()
-    assert re.search(r"^Threads:\s+1$", status, re.M)
-    blocked = int(re.search(r"^SigBlk:\s+(\w+)$", status, re.M).group(1), 16)
-    assert blocked >> (signal.SIGTERM - 1) & 1
-    assert {training for _, _, training in rows} == {os.getpid()}
+def test_workers_are_forked_once_with_sigterm_blocked_until_they_handle_it():
+    """resumable.worker_options and start_workers: workers forked from this process (they share
+    its memory), once for the whole run (the same two in every epoch), with SIGTERM blocked
+    while they start; each then ignores a SIGTERM from anybody but this process."""
+    assert resumable.worker_options(0) == {}
+    loader = DataLoader(Whereabouts(), batch_size=1, num_workers=2,
+                        **resumable.worker_options(2))
+    resumable.start_workers(loader)
+    epochs = [[batch[0].tolist() for batch in loader] for _ in range(2)]
+    assert {parent for _, parent in epochs[0]} == {os.getpid()}
+    workers = {pid for pid, _ in epochs[0]}
+    assert len(workers) == 2 and workers == {pid for pid, _ in epochs[1]}
+    for pid in workers:
+        status = open(f"/proc/{pid}/status").read()
+        blocked = int(re.search(r"^SigBlk:\s+(\w+)$", status, re.M).group(1), 16)
+        assert blocked >> (signal.SIGTERM - 1) & 1  # sigwaitinfo's thread takes it
+    foreign = subprocess.Popen([sys.executable, "-c", "import os, signal, sys; "
+                                "[os.kill(int(p), signal.SIGTERM) for p in sys.argv[1:]]",
+                                *map(str, workers)])
+    foreign.wait()
+    time.sleep(0.5)
+    assert [batch[0].tolist() for batch in loader] and all(os.path.exists(f"/proc/{p}")
+                                                           for p in workers)
 
 
 def test_a_batched_dataset_is_passed_through_with_one_seed_per_batch():
     train, _ = common.make_datasets(args_for(None))
-    data = common.PerSampleSeeds(train, seed=0)
+    data = resumable.PerSampleSeeds(train, seed=0)
     x, y = data.__getitems__([1, 2, 3])
     assert torch.equal(x, train.images[[1, 2, 3]])
-    assert not hasattr(common.PerSampleSeeds(Draws(), 0), "__getitems__")
+    assert not hasattr(resumable.PerSampleSeeds(Draws(), 0), "__getitems__")
 
 
 def test_dropout_draws_per_rank_and_again_after_a_resume():
     drop = torch.nn.Dropout(0.5)
 
     def mask(rank, epoch=0, step=1):
-        common.seed_step(0, epoch, step, rank)
+        resumable.seed_step(0, epoch, step, rank)
         return drop(torch.ones(1000)) > 0
     assert torch.equal(mask(0), mask(0))  # the same (epoch, step, rank): the same mask
     assert not torch.equal(mask(0), mask(1))  # another rank
@@ -181,9 +214,9 @@ def test_resume_skips_in_the_sampler_without_loading_the_skipped_samples():
     sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=0)
     full = [int(i) for b in DataLoader(data, batch_size=8, sampler=sampler) for i in b]
     data.fetched.clear()
-    resumable = common.ResumableSampler(sampler)
-    resumable.skip = 3 * 8  # 3 steps done
-    loader = DataLoader(data, batch_size=8, sampler=resumable)
+    skippable = resumable.Skippable(sampler)
+    skippable.skip = 3 * 8  # 3 steps done
+    loader = DataLoader(data, batch_size=8, sampler=skippable)
     rest = [[int(i) for i in b] for b in loader]
     assert sum(rest, []) == full[24:]  # the same batches as the uninterrupted epoch's
     assert rest[0] == full[24:32]
@@ -194,13 +227,14 @@ def test_resume_skips_in_the_sampler_without_loading_the_skipped_samples():
 
 def test_an_error_line_is_one_write(monkeypatch):
     """Several ranks writing to one pipe: a line in two writes (print's text, then its newline)
-    can be split by another rank's line (seen in CI). common.say writes it in one."""
+    can be split by another rank's line (seen in CI). harness.say writes it in one."""
     writes = []
     real_write = os.write
     monkeypatch.setattr(os, "write", lambda fd, data: writes.append((fd, data)) or real_write(fd, data))
     r, w = os.pipe()
     with os.fdopen(w, "w") as f:
-        common.say("[rank 1] error: distributed: Unable to find address for: nosuchif0", f)
+        monkeypatch.setattr(sys, "stderr", f)
+        harness.say("[rank 1] error: distributed: Unable to find address for: nosuchif0")
     with os.fdopen(r) as f:
         assert f.read() == "[rank 1] error: distributed: Unable to find address for: nosuchif0\n"
     assert [data for fd, data in writes if fd == w] == \
@@ -211,7 +245,8 @@ def test_the_port_of_a_store_that_just_ended_is_free_but_a_listening_one_is_not(
     """The cause of a requeued SLURM job failing with "port ... already in use": the previous
     run's store closes its connections first, which leaves them in TIME_WAIT on its port for a
     minute. A new store binds that port all the same (its socket has SO_REUSEADDR, and so had
-    the old one's); a check without the option refused it."""
+    the old one's); a check without the option refused it. The check is spawn_ddp.py's, in
+    harness.check_args, on node 0 with --master-port."""
     from datetime import timedelta
     import torch.distributed as dist
     port = free_port()
@@ -223,63 +258,41 @@ def test_the_port_of_a_store_that_just_ended_is_free_but_a_listening_one_is_not(
     del client
     with socket.socket() as plain, pytest.raises(OSError):
         plain.bind(("", port))  # the old check: refused
-    common.check_port_free(port)  # the check now: the store can take it...
+    args = args_for(None, "spawn", master_port=port)
+    harness.check_args(args)  # the check now: the store can take it...
     again = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10))  # ...it can
     with pytest.raises(common.Fatal, match=f"port {port} is already in use"):
-        common.check_port_free(port)  # while a store listens there, the port is taken
+        harness.check_args(args)  # while a store listens there, the port is taken
     del again
 
 
 def test_one_process_resumes_only_when_asked_and_found(tmp_path):
     path = str(tmp_path / "c.pt")
     cpu = torch.device("cpu")
-    assert common.agreed_checkpoint(path, common.RESUME_IF_FOUND, cpu) is None
+    assert resumable.agreed_checkpoint(path, resumable.RESUME_IF_FOUND, cpu) is None
     with pytest.raises(common.Fatal, match="no checkpoint at"):
-        common.agreed_checkpoint(path, common.RESUME, cpu)
+        resumable.agreed_checkpoint(path, resumable.RESUME, cpu)
     torch.save({"model": {}, "epoch": 2, "step": 5}, path)
-    assert common.agreed_checkpoint(path, common.NO_RESUME, cpu) is None
-    assert common.agreed_checkpoint(path, common.RESUME_IF_FOUND, cpu)["step"] == 5
+    assert resumable.agreed_checkpoint(path, resumable.NO_RESUME, cpu) is None
+    assert resumable.agreed_checkpoint(path, resumable.RESUME_IF_FOUND, cpu)["step"] == 5
 
 
 def test_sigterm_without_a_checkpoint_stops_at_once():
-    stop = common.StopSignal(snapshot=False)
+    stop = resumable.StopSignal(checkpoint=None, device=torch.device("cpu"), steps=10)
     try:
-        with pytest.raises(common.Preempted, match="nothing saved"):
+        with pytest.raises(resumable.Preempted, match="nothing saved"):
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(1000):  # the handler runs between two bytecodes
                 pass
     finally:
         stop.close()
-    stop = common.StopSignal(snapshot=True)
+    stop = resumable.StopSignal(checkpoint="c.pt", device=torch.device("cpu"), steps=10)
     try:
-        assert not stop()
+        assert not stop(1)
         os.kill(os.getpid(), signal.SIGTERM)
-        assert stop() and stop()  # with one: a flag, read before every step
+        assert stop(2) and stop(3)  # with one: a flag, read before every step
     finally:
         stop.close()
-
-
-def test_the_schedule_waits_for_a_step_that_fp16_skipped(monkeypatch):
-    model = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step + 1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    calls = []
-    real = scaler.get_scale
-    monkeypatch.setattr(scaler, "get_scale", lambda: calls.append(1) or real())
-    lr = common.SchedulerAfterScaler(scheduler, scaler)
-    calls.clear()
-    for grad in (1.0, float("inf"), 1.0):  # the second step overflows: skipped
-        optimizer.zero_grad()
-        scaler.scale(model(torch.ones(2)).sum() * grad).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        lr.step()
-    assert scheduler.last_epoch == 2  # 2 real steps, not 3
-    assert len(calls) == 3  # one get_scale per step
-    off = common.SchedulerAfterScaler(scheduler, torch.amp.GradScaler("cpu", enabled=False))
-    off.step()
-    assert scheduler.last_epoch == 3
 
 
 def test_the_task_is_looked_up_at_call_time(monkeypatch, tmp_path):
@@ -289,17 +302,21 @@ def test_the_task_is_looked_up_at_call_time(monkeypatch, tmp_path):
     torch.save({"model": torch.nn.Linear(3, 2).state_dict(), "epoch": 1}, tmp_path / "new.pt")
     torch.save({"model": common.Net().state_dict(), "epoch": 1}, tmp_path / "old.pt")
     ok = args_for(None, checkpoint=str(tmp_path / "new.pt"), resume=True)
-    common.check_args(ok, world_size=1, local_processes=1)
+    harness.check_args(ok)
     bad = args_for(None, checkpoint=str(tmp_path / "old.pt"), resume=True)
     with pytest.raises(common.Fatal, match="does not fit this model"):
-        common.check_args(bad, world_size=1, local_processes=1)
+        harness.check_args(bad)
 
 
 def test_micro_batches_deal_samples_as_more_ranks_would():
-    x, y = torch.arange(8).float(), torch.arange(8)
-    parts = list(common.micro_batches(x, y, 2))
-    assert [(k, yk.tolist(), share, last) for k, _, yk, share, last in parts] == \
-        [(0, [0, 2, 4, 6], 0.5, False), (1, [1, 3, 5, 7], 0.5, True)]
+    """Every tensor of a batch is dealt out, whatever the structure of the inputs."""
+    x, y = {"ids": torch.arange(8) * 10, "mask": torch.arange(8) % 2}, torch.arange(8)
+    parts = list(resumable.micro_batches(x, y, 2))
+    assert [(xk["ids"].tolist(), yk.tolist(), share, last) for xk, yk, share, last in parts] == \
+        [([0, 20, 40, 60], [0, 2, 4, 6], 0.5, False), ([10, 30, 50, 70], [1, 3, 5, 7], 0.5, True)]
+    assert [xk["mask"].tolist() for xk, _, _, _ in parts] == [[0] * 4, [1] * 4]
+    [(xk, yk, share, last)] = resumable.micro_batches((torch.ones(3, 2),), torch.arange(3), 1)
+    assert isinstance(xk, tuple) and len(yk) == 3 and share == 1 and last
 
 
 def test_an_argparse_namespace_is_all_a_task_needs():

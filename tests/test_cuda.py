@@ -338,3 +338,120 @@ def test_no_process_but_rank_r_uses_gpu_r(script, tiny_mnist, tmp_path):
             assert row["contexts"] == mine, (name, row)
             assert [m > 0 for m in row["max_allocated"]] == mine, (name, row)
             assert [m > 0 for m in row["reserved"]] == mine, (name, row)
+
+
+# ---- safe on a GPU cluster (docs/clusters.md#before-your-first-multi-node-gpu-job) -----------
+
+@two_gpus
+@pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py"])
+def test_each_rank_binds_the_group_to_its_own_gpu(script, tiny_mnist, tmp_path):
+    """init_process_group(device_id=...): NCCL's first collective uses rank r's GPU, not one
+    it guesses (rank % visible GPUs on older torch)."""
+    rec = record_dir(tmp_path)
+    launch(script, 2, tiny_mnist, DDP_TEST_GPU_RECORD=rec)
+    rows = [r for r in read_records(rec, "gpu") if r["rank"] is not None]
+    assert sorted((r["rank"], r["device_id"]) for r in rows) == [(0, "cuda:0"), (1, "cuda:1")]
+
+
+@two_gpus
+def test_the_stop_agreement_runs_on_nccl_and_resumes_bit_identical(tiny_mnist, tmp_path):
+    """SIGTERM to every process in the middle of an epoch on 2 GPUs: the one-number agreement
+    runs on NCCL (no gloo group is made), both stop at one step with a snapshot, and the resume
+    ends as a run never interrupted."""
+    import os
+    import signal
+    import subprocess
+    straight, stopped, rec = tmp_path / "straight.pt", tmp_path / "stopped.pt", tmp_path / "rec"
+    rec.mkdir()
+    flags = ["--data-dir", tiny_mnist, "--nproc-per-node", 2, "--batch-size", 32, "--epochs", 2,
+             "--log-interval", 1, "--timeout", 60]
+    run_script("spawn_ddp.py", *flags, "--checkpoint", straight, timeout=300)
+    cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), *map(str, flags), "--checkpoint",
+           str(stopped)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            env=conftest.script_env(record=rec, gpus=True))
+    try:
+        for line in proc.stdout:
+            if line.startswith("epoch 1/2 step 4/"):
+                break
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert "preempted: stopped on SIGTERM after step" in err, err
+    assert not read_records(rec, "group")  # NCCL's group alone
+    assert load_on_cpu(stopped)["step"] >= 4
+    run_script("spawn_ddp.py", *flags, "--checkpoint", stopped, "--resume", timeout=300)
+    conftest.assert_same_training_state(load_on_cpu(straight), load_on_cpu(stopped))
+
+
+@two_gpus
+def test_a_rank_without_a_copy_resumes_within_bounded_gpu_memory(tiny_mnist, tmp_path):
+    """Two "nodes" of one GPU each, each with a disk of its own (--save-on-each-node); node 1
+    loses its copy. Rank 1 receives the checkpoint in pieces of DDP_TEST_PIECE bytes, so its
+    peak GPU memory exceeds rank 0's by less than two pieces (a buffer of the whole file, and the
+    checkpoint loaded onto the GPU, would add twice the file's size)."""
+    import subprocess
+    piece = 64 << 10
+    port = conftest.free_port()
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+
+    def nodes(*extra, rec=None):
+        procs = []
+        for n, folder in enumerate(folders):
+            folder.mkdir(exist_ok=True)
+            env = conftest.script_env(gpus=True, CUDA_VISIBLE_DEVICES=str(n), DDP_TEST_PIECE=piece,
+                                      **({"DDP_TEST_GPU_RECORD": rec} if rec else {}))
+            procs.append(subprocess.Popen(
+                [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),
+                 "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1", "--master-addr",
+                 "127.0.0.1", "--master-port", str(port), "--batch-size", "64", "--epochs", "2",
+                 "--save-on-each-node", "--checkpoint", "c.pt", "--timeout", "60",
+                 *map(str, extra)], cwd=folder, env=env, text=True, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT))
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        return outs
+
+    nodes("--stop-after", 1)
+    size = (folders[0] / "c.pt").stat().st_size
+    assert size > 4 * piece
+    (folders[1] / "c.pt").unlink()
+    rec = record_dir(tmp_path)
+    outs = nodes("--resume", rec=rec)
+    assert "rank(s) 1 had no copy of c.pt" in "\n".join(outs)
+    peaks = {r["rank"]: max(r["max_allocated"]) for r in read_records(rec, "gpu")
+             if r["rank"] is not None}
+    assert peaks[1] - peaks[0] < 2 * piece, (peaks, size)
+
+
+@pytest.mark.skipif(GPUS > 0 and torch.cuda.is_bf16_supported(including_emulation=False),
+                    reason="this GPU computes bfloat16: the warning is for GPUs before Ampere")
+def test_bf16_on_a_gpu_without_it_is_said(tiny_mnist):
+    r = run_script("dp_baseline.py", "--data-dir", tiny_mnist, "--amp", "bf16", "--epochs", 1,
+                   timeout=300)
+    assert "warning: --amp bf16 on this GPU is slower than fp32" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(GPUS > 0 and not torch.cuda.is_bf16_supported(including_emulation=False),
+                    reason="this GPU lacks bfloat16: test_bf16_on_a_gpu_without_it_is_said")
+def test_bf16_on_a_gpu_with_it_says_nothing(tiny_mnist):
+    r = run_script("dp_baseline.py", "--data-dir", tiny_mnist, "--amp", "bf16", "--epochs", 1,
+                   timeout=300)
+    assert "warning" not in r.stderr, r.stderr
+
+
+@two_gpus
+def test_a_rank_that_fails_alone_ends_the_others_at_once_on_nccl(tiny_mnist, tmp_path):
+    """Rank 0's second checkpoint write fails (a full disk, simulated): it says so in one line,
+    destroys its process group and exits 2; rank 1, waiting at the barrier after the save, fails
+    at once instead of waiting out --timeout (300 s here)."""
+    import time
+    start = time.monotonic()
+    r = launch("spawn_ddp.py", 2, tiny_mnist, "--epochs", 2, "--timeout", 300, "--checkpoint",
+               tmp_path / "c.pt", check=False, DDP_TEST_FAIL_SAVE=2)
+    assert time.monotonic() - start < 150, r.stderr
+    assert "could not write the checkpoint" in r.stderr and r.returncode != 0, r.stderr

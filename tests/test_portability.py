@@ -2,7 +2,7 @@
 this suite, so two stand-ins do:
 
 - a static check lists every use of an API that macOS or Windows lacks (Python's docs mark them
-  "Availability: Linux" or "Unix") in the scripts, common.py and bench.py, and fails on one
+  "Availability: Linux" or "Unix") in the scripts, their modules and bench.py, and fails on one
   that is not guarded by hasattr(), a platform test or a try/except;
 - the scripts run for real with those APIs removed from `os` and /proc unreadable
   (DDP_TEST_NOT_LINUX in tests/instrument).
@@ -13,7 +13,8 @@ import pytest
 
 from conftest import ROOT, read_metrics, run_script
 
-FILES = ("common.py", "spawn_ddp.py", "torchrun_ddp.py", "dp_baseline.py", "apex_ddp.py", "bench.py")
+FILES = ("common.py", "harness.py", "resumable.py", "spawn_ddp.py", "torchrun_ddp.py", "dp_baseline.py",
+         "apex_ddp.py", "bench.py")
 MISSING_OFF_LINUX = {  # absent on macOS and Windows (Python docs: "Availability: Linux")
     "os": {"sched_getaffinity", "sched_setaffinity", "pidfd_open", "memfd_create", "eventfd",
            "posix_fadvise", "O_DIRECT"},

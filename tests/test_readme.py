@@ -4,6 +4,7 @@ and link they cite exists, the README's links into the scripts point at the line
 and every command in their code blocks parses with the real parser of the program it runs.
 The scripts' parsers are read through tests/run_mains.py (describe and parse modes), so a
 command is checked without running anything."""
+import difflib
 import functools
 import re
 import shlex
@@ -70,6 +71,27 @@ def test_readme_links_point_at_the_ddp_lines():
         for name, line in links:
             text = (ROOT / name).read_text().splitlines()[int(line) - 1]
             assert code in text, f"README: {name}#L{line} is {text.strip()!r}, not {code!r}"
+
+
+def test_the_lesson_is_a_diff_of_at_most_60_lines():
+    """The README's lesson is `diff dp_baseline.py spawn_ddp.py`: the one-process training and
+    its DDP version, at most 60 changed lines (both sides), as many as the README says."""
+    one, ddp = ((ROOT / f).read_text().splitlines() for f in ("dp_baseline.py", "spawn_ddp.py"))
+    changed = sum(1 for line in difflib.unified_diff(one, ddp, lineterm="", n=0)
+                  if line[:1] in "+-" and not line.startswith(("+++", "---")))
+    assert changed <= 60
+    said = re.search(r"`diff dp_baseline\.py spawn_ddp\.py` is the whole lesson, (\d+) changed",
+                     " ".join(readme().split()))
+    assert said and int(said.group(1)) == changed
+
+
+def test_common_is_the_task_and_the_helpers_in_at_most_300_lines():
+    """common.py as the design card has it: the task first, then the helpers the lesson uses;
+    the machinery lives in harness.py and resumable.py, which common.py does not import."""
+    text = (ROOT / "common.py").read_text()
+    assert len(text.splitlines()) <= 300
+    assert text.index("# ---- 1. The task") < text.index("# ---- 2. The helpers")
+    assert not re.search(r"^import (harness|resumable)|^from (harness|resumable) ", text, re.M)
 
 
 def test_readme_is_a_first_page():

@@ -9,16 +9,18 @@ test_slurm.py.)"""
 import subprocess
 import sys
 import uuid
+from collections import Counter
 
 import pytest
 
 from conftest import ROOT, assert_same_training_state, free_port, load, read_metrics, \
-    script_env
+    read_records, script_env
 
 pytestmark = pytest.mark.slow
 
 ARGS = ("--batch-size", 64, "--epochs", 2, "--log-interval", 5, "--timeout", 60,
         "--save-on-each-node", "--checkpoint", "ckpt/c.pt", "--metrics", "m.jsonl")
+PIECE = 100_000  # bytes (resumable.PIECE, made small: the checkpoint is about 1 MB)
 MESSAGE = "had no copy of ckpt/c.pt at 1 epoch(s) + 0 step(s): rank {} sends its copy"
 
 
@@ -29,8 +31,8 @@ def never_interrupted(straight):
     return load(straight(2, 64, 2) / "c.pt")
 
 
-def launch(cmds, folders):
-    procs = [subprocess.Popen(cmd, cwd=f, env=script_env(OMP_NUM_THREADS=1), text=True,
+def launch(cmds, folders, **env):
+    procs = [subprocess.Popen(cmd, cwd=f, env=script_env(OMP_NUM_THREADS=1, **env), text=True,
                               stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, start_new_session=True)
              for cmd, f in zip(cmds, folders)]
@@ -39,13 +41,13 @@ def launch(cmds, folders):
     return outs
 
 
-def torchrun_nodes(tiny_mnist, folders, *extra):
+def torchrun_nodes(tiny_mnist, folders, *extra, **env):
     port, job = free_port(), uuid.uuid4().hex[:8]
     return launch([[sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                     "--nproc-per-node=1", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
                     str(ROOT / "torchrun_ddp.py"), "--data-dir", str(tiny_mnist),
-                    *map(str, ARGS), *map(str, extra)] for _ in folders], folders)
+                    *map(str, ARGS), *map(str, extra)] for _ in folders], folders, **env)
 
 
 def spawn_nodes(tiny_mnist, folders, *extra, resume_on=()):
@@ -74,8 +76,20 @@ def test_torchrun_node_without_the_checkpoint_receives_it(tiny_mnist, tmp_path,
         f.mkdir()
     torchrun_nodes(tiny_mnist, folders, "--stop-after", 1)
     assert all(load(f / "ckpt" / "c.pt")["epoch"] == 1 for f in folders)
+    size = (folders[1] / "ckpt" / "c.pt").stat().st_size
     (folders[1] / "ckpt" / "c.pt").unlink()  # node 1's disk lost it
-    check_resumed(folders, torchrun_nodes(tiny_mnist, folders), never_interrupted)
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    check_resumed(folders, torchrun_nodes(tiny_mnist, folders, DDP_TEST_RECORD=rec,
+                                          DDP_TEST_PIECE=PIECE), never_interrupted)
+    # Node 1 received the file in pieces of at most PIECE bytes, the whole file in all ...
+    pieces = [r["bytes"] for r in read_records(rec, "broadcast") if r["rank"] == 1]
+    assert max(pieces) <= PIECE and sum(p for p in pieces if p > 8) >= size, pieces
+    # ... and each process read a checkpoint once, mapped onto the CPU: node 0 its own, node 1
+    # the copy it received (check_args of a torchrun worker reads none).
+    loads = read_records(rec, "load")
+    assert sorted(Counter(r["pid"] for r in loads).values()) == [1, 1], loads
+    assert all(r["map_location"] == "cpu" and r["mmap"] for r in loads), loads
 
 
 def test_spawn_node_without_the_checkpoint_receives_it(tiny_mnist, tmp_path, never_interrupted):

@@ -113,7 +113,7 @@ def test_slow_save_on_rank_0_fails_the_others_at_the_barrier(tiny_mnist, tmp_pat
     assert run.returncode == 1
     assert "Traceback" not in run.text
     assert load(tmp_path / "c.pt")["epoch"] == 1  # written whole, after the SIGTERM
-    assert not (tmp_path / "c.pt.tmp").exists()
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_the_defaults_ride_out_a_slow_save(tiny_mnist, tmp_path):
@@ -143,21 +143,6 @@ def test_a_skipped_collective_waits_for_the_timeout(tiny_mnist):
     _, line = run.first(r"\[rank 0\] error: distributed: ")
     assert re.search(rf"{GLOO_TIMEOUT}|Connection closed by peer", line), line
     run.first(r"^error: worker [01] exited with code 1$")
-    assert run.returncode == 1
-
-
-def test_a_skipped_collective_aborts_on_gloo_when_the_next_one_is_small(tiny_mnist, tmp_path):
-    """The same skip with --checkpoint: then every step also runs the SIGTERM agreement's
-    one-number all-reduce, which pairs with rank 0's reduction, and the collectives after it
-    are paired with the wrong partners: gloo aborts rank 1 at once, long before --timeout 30."""
-    run = Watched([sys.executable, ROOT / "spawn_ddp.py", *tiny(tiny_mnist, 30),
-                   "--checkpoint", tmp_path / "c.pt"],
-                  script_env(DDP_TEST_SKIP_REDUCE="1:1"), timeout=120)
-    t_skip, _ = run.first(r"test instrumentation: rank 1 skips reduce_tensor call 1")
-    t_abort, _ = run.first(r"Received data size doesn't match expected size\. Is there a "
-                           r"distributed collective mismatch in your code\?")
-    assert t_abort - t_skip < 10, run.text
-    run.first(r"^error: worker 1 exited with code -6$")  # SIGABRT
     assert run.returncode == 1
 
 

@@ -3,11 +3,16 @@ worker) when tests put this folder on PYTHONPATH. It observes what the real scri
 changes none of their results:
 
   DDP_TEST_RECORD=DIR   record each rank's training-sampler indices per epoch, every torch.save
-                        call, each rank's final model state at destroy_process_group, and the
-                        threads each rank still runs when its script has returned (at exit)
+                        and torch.load call, each rank's final model state at
+                        destroy_process_group, the threads each rank still runs when its script
+                        has returned (at exit), every fork (whether a process group existed, and
+                        the threads then running), every process group made after the first,
+                        the size of every tensor broadcast and the shape of every one all-reduced
+  DDP_TEST_PIECE=BYTES  resumable.PIECE, the largest piece of a checkpoint sent at once
   DDP_TEST_BLOCK=NAME   make `import NAME` fail, to test the message for a missing package
   DDP_TEST_STEP_DELAY=S sleep S seconds before every optimizer step (slower, same results), so
                         that a test can kill a worker in the middle of an epoch
+  DDP_TEST_FAIL_SAVE=N  the N-th torch.save of a process fails as on a full disk (ENOSPC)
   DDP_TEST_SLOW_SAVE=S  torch.save (to a path or a file) writes half the bytes, sleeps S
                         seconds, then writes the rest (a slow disk), so that a kill can land
                         mid-write
@@ -16,7 +21,7 @@ changes none of their results:
                         each call), so a test decides what CPU the scripts believe they run on
   DDP_TEST_NOT_LINUX=1  a stand-in for macOS and Windows: os.sched_getaffinity and
                         os.sched_setaffinity are gone and /proc cannot be read
-  DDP_TEST_NO_STOP=1    common.StopSignal never stops the run and starts no all-reduce: the
+  DDP_TEST_NO_STOP=1    resumable.StopSignal never stops the run and runs no all-reduce: the
                         scripts without their per-step SIGTERM check, so that bench.py can
                         measure what the check costs (--with-env, see docs/speed.md)
   DDP_TEST_ALLREDUCE_LOG=DIR
@@ -51,6 +56,18 @@ if os.environ.get("DDP_TEST_STEP_DELAY"):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     _delay = float(os.environ["DDP_TEST_STEP_DELAY"])
     register_optimizer_step_pre_hook(lambda *_: time.sleep(_delay))
+
+if os.environ.get("DDP_TEST_FAIL_SAVE"):
+    import errno
+    import torch
+    _saves, _ok_save = [0], torch.save
+
+    def _failing_save(obj, f, *args, **kwargs):
+        _saves[0] += 1
+        if _saves[0] == int(os.environ["DDP_TEST_FAIL_SAVE"]):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return _ok_save(obj, f, *args, **kwargs)
+    torch.save = _failing_save
 
 if os.environ.get("DDP_TEST_SLOW_SAVE"):
     import torch
@@ -94,18 +111,18 @@ if os.environ.get("DDP_TEST_NOT_LINUX"):
         return _open(file, *args, **kwargs)
     builtins.open = _open_without_proc
 
-def _patch_common(patch):
-    """Calls patch(module) once the script has imported common (not on the path yet, so a
-    meta path finder waits for the import)."""
+def _patch_module(name, patch):
+    """Calls patch(module) once the script has imported the module `name` of the repository
+    (not on the path yet, so a meta path finder waits for the import)."""
     import importlib.abc
     import importlib.util
 
     class _Patcher(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            if name != "common":
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
                 return None
             sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
+            spec = importlib.util.find_spec(fullname)
             run = spec.loader.exec_module
 
             def exec_module(module):
@@ -117,9 +134,9 @@ def _patch_common(patch):
 
 
 if os.environ.get("DDP_TEST_NO_STOP"):
-    def _no_stop_check(common):
-        common.StopSignal.__call__ = lambda self: False
-    _patch_common(_no_stop_check)
+    def _no_stop_check(resumable):
+        resumable.StopSignal.__call__ = lambda self, step: False
+    _patch_module("resumable", _no_stop_check)
 
 if os.environ.get("DDP_TEST_ALLREDUCE_LOG"):
     import torch.distributed as dist
@@ -177,7 +194,12 @@ if os.environ.get("DDP_TEST_SKIP_REDUCE"):
                 return t.clone()
             return reduce(t)
         common.reduce_tensor = reduce_tensor
-    _patch_common(_skip_one_reduce)
+    _patch_module("common", _skip_one_reduce)
+
+if os.environ.get("DDP_TEST_PIECE"):
+    def _small_pieces(resumable):
+        resumable.PIECE = int(os.environ["DDP_TEST_PIECE"])
+    _patch_module("resumable", _small_pieces)
 
 RECORD = os.environ.get("DDP_TEST_RECORD")
 if RECORD:
@@ -213,6 +235,50 @@ if RECORD:
         return _save(obj, f, *args, **kwargs)
     torch.save = _recording_save
 
+    _load = torch.load
+
+    def _recording_load(f, *args, **kwargs):
+        _append("load", {"pid": os.getpid(), "path": str(getattr(f, "name", f)),
+                         "map_location": str(kwargs.get("map_location")),
+                         "mmap": bool(kwargs.get("mmap"))})
+        return _load(f, *args, **kwargs)
+    torch.load = _recording_load
+
+    def _threads():
+        names = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    names.append(f.read().strip())
+            except OSError:  # the thread ended meanwhile
+                pass
+        return sorted(names)
+
+    os.register_at_fork(before=lambda: _append("fork", {
+        "pid": os.getpid(), "group": dist.is_initialized(), "threads": _threads()}))
+
+    _new_group = dist.new_group
+
+    def _recording_new_group(*args, **kwargs):
+        _append("group", {"pid": os.getpid(), "backend": str(kwargs.get("backend"))})
+        return _new_group(*args, **kwargs)
+    dist.new_group = _recording_new_group
+
+    _broadcast = dist.broadcast
+
+    def _recording_broadcast(tensor, *args, **kwargs):
+        _append("broadcast", {"rank": dist.get_rank(),
+                              "bytes": tensor.numel() * tensor.element_size()})
+        return _broadcast(tensor, *args, **kwargs)
+    dist.broadcast = _recording_broadcast
+
+    _all_reduce = dist.all_reduce
+
+    def _recording_all_reduce(tensor, *args, **kwargs):
+        _append("all_reduce", {"rank": dist.get_rank(), "shape": list(tensor.shape)})
+        return _all_reduce(tensor, *args, **kwargs)
+    dist.all_reduce = _recording_all_reduce
+
     _wrapped = []
     _ddp_init = DistributedDataParallel.__init__
 
@@ -242,14 +308,7 @@ if RECORD:
         # atexit runs after the script has returned and before the interpreter tears down.
         # gloo's threads (named gloo_* / pt_gloo_*) are C++ threads, invisible to `threading`.
         if _ranks:
-            names = []
-            for tid in os.listdir("/proc/self/task"):
-                try:
-                    with open(f"/proc/self/task/{tid}/comm") as f:
-                        names.append(f.read().strip())
-                except OSError:  # the thread ended meanwhile
-                    pass
-            _append("exit", {"rank": _ranks[-1], "threads": sorted(names)})
+            _append("exit", {"rank": _ranks[-1], "threads": _threads()})
     atexit.register(_record_threads_at_exit)
 
 
@@ -329,6 +388,7 @@ if GPU_RECORD:
     def _gpu_recording_init_pg(*args, **kwargs):
         _gpu_init_pg(*args, **kwargs)
         _gpu["rank"] = dist.get_rank()
+        _gpu["device_id"] = str(kwargs.get("device_id"))  # what the group was bound to
         if torch.cuda.is_initialized():  # the scripts call set_device before this
             _gpu["device"] = torch.cuda.current_device()
     dist.init_process_group = _gpu_recording_init_pg

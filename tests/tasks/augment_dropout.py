@@ -2,6 +2,9 @@
 # docs/your-own-task.md says: MNIST with a random shift drawn from torch's global RNG (as
 # torchvision's transforms draw) and a model with dropout. With DDP_TEST_TASK_LOG=DIR, every
 # sample's draw and every dropout mask are logged there, one JSON-lines file per process.
+import hashlib  # noqa: E402
+import json  # noqa: E402
+
 _mnist_datasets = make_datasets  # noqa: F821 (this file is appended to common.py)
 
 
@@ -9,7 +12,7 @@ def _log(kind, **row):
     folder = os.environ.get("DDP_TEST_TASK_LOG")
     if folder:
         parent = torch.multiprocessing.parent_process()  # a data worker's: its training process
-        row.update(rank=dist.get_rank() if distributed() else None, pid=os.getpid(),
+        row.update(rank=dist.get_rank() if dist.is_initialized() else None, pid=os.getpid(),
                    parent=parent and parent.pid)  # a data worker has no group: its parent's rank
         with open(os.path.join(folder, f"{kind}-{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")

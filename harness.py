@@ -1,0 +1,493 @@
+"""Everything around the training that is not the lesson: the command line and its checks,
+errors as one line, each process's device and threads, where the processes meet when the
+script itself must say, and reporting. The lesson never needs to open this file."""
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+# Imported before any process group exists, on purpose: it binds `group.WORLD` as a default
+# argument when first imported. DDP's constructor imports it (through torch._dynamo); then it
+# pins the live group, destroy_process_group cannot free it, and gloo's threads run on into
+# interpreter shutdown, where they can abort the process (exit -6). tests/test_shutdown.py.
+import torch.distributed.nn  # noqa: F401
+
+import common
+import resumable
+from common import Fatal
+from resumable import Preempted
+
+# ---- Errors: one line each, never a traceback -----------------------------------------------
+
+# gloo's RuntimeErrors for a peer that died or stopped answering (most name a gloo source file)
+GLOO_LOST_PEER = ("/gloo/", "Application timeout caused pair closure", "Wait timeout")
+PREEMPTED = 143  # exit code after a SIGTERM: 128 + 15, what shells report for "terminated"
+
+
+class Failed(Fatal):
+    """A process of the job failed (it has said why): one line, exit code 1."""
+    code = 1
+
+
+def say(line):
+    """`line` and its newline in one write, so that the lines of processes sharing a pipe (every
+    rank's stderr under a launcher) stay whole."""
+    try:
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor
+        print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def clean_exit(who=""):
+    """Expected endings as one line on stderr: exit code 2 for bad input, 1 for a lost peer, 130
+    for Ctrl-C, 143 after a SIGTERM. A process that leaves on an error of its own destroys its
+    process group first, so that the others fail at once instead of waiting out --timeout (on
+    NCCL). The exit comes outside the `except`, once the failed frames are released."""
+    code = None
+    try:
+        yield
+    except Fatal as e:
+        say(f"{who}error: {e}")
+        code = e.code
+    except Preempted as e:
+        if str(e):
+            say(f"{who}preempted: {e}")
+        code = PREEMPTED
+    except (dist.DistError, RuntimeError) as e:  # a peer died, never came, or the port is taken
+        if not isinstance(e, dist.DistError) and not any(m in str(e) for m in GLOO_LOST_PEER):
+            raise  # gloo reports a lost peer as RuntimeError; any other one is a real bug
+        line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        line = re.sub(r"^\[\S+\] ", "", line.strip())  # without gloo's "[source.cc:123] "
+        say(f"{who}error: distributed: {line[:300]}")
+        sys.stdout.flush()  # the group is broken: no teardown, in which gloo's threads can abort
+        os._exit(1)
+    except KeyboardInterrupt:
+        say(f"{who}interrupted")
+        code = 130
+    if code is not None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(code)
+
+
+# ---- The command line: one definition, so that a flag means the same in every script; each
+# flag's range lives in its type=, so that a bad value is one line before anything starts. ---
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # "error: argument --lr: ..." and exit 2, without the usage text
+        raise Fatal(message)
+
+
+def ranged(kind, ok, what):
+    """An argparse type= that converts and checks: `ranged(int, lambda v: v > 0, "...")`."""
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return convert
+
+
+positive_int = ranged(int, lambda v: v > 0, "an integer > 0")
+natural_int = ranged(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = ranged(float, lambda v: 0 < v < math.inf, "a number > 0")
+natural_float = ranged(float, lambda v: 0 <= v < math.inf, "a number >= 0")
+
+
+def parse_args(description, launcher):
+    """The flags of every script (docs/flags.md), those of `launcher` ("dp": one process;
+    "spawn"; "torchrun"; "apex"), then the task's (common.add_task_flags)."""
+    p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a, d = p.add_argument, " (default: %(default)s)"
+    a("--epochs", type=positive_int, default=1, help="epochs the LR schedule spans" + d)
+    a("--stop-after", type=positive_int, metavar="EPOCH", help="end this run after this epoch, "
+      "keeping the schedule of --epochs (continue later with --resume)")
+    a("--batch-size", type=positive_int, default=256, help="GLOBAL batch over all processes; "
+      "each takes batch-size / world-size" + d)
+    a("--accumulate", type=positive_int, default=1, metavar="N", help="N forward and backward "
+      "passes (micro-batches) per optimizer step, gradients all-reduced once per step" + d)
+    a("--workers", type=natural_int, default=0, metavar="N", help="data-loading processes per "
+      "training process; 0 loads in the training process, best for in-memory MNIST" + d)
+    a("--lr", type=positive_float, default=0.01, help="peak learning rate at a global batch of "
+      f"{common.REFERENCE_BATCH}, scaled to --batch-size by --lr-scaling" + d)
+    a("--lr-scaling", choices=list(common.LR_RULES), default="sqrt", help="how the LR follows "
+      "the global batch: sqrt (Adam, used here), linear (SGD), none" + d)
+    a("--warmup-epochs", type=natural_float, default=0.2, help="linear LR warmup, in epochs, "
+      f"at least {common.MIN_WARMUP_STEPS} steps" + d)
+    a("--seed", type=ranged(int, lambda v: 0 <= v < 2 ** 63, "an integer 0 to 2**63-1"),
+      default=0, help="seed for weights, shuffling, augmentation and dropout" + d)
+    a("--amp", choices=["none", "bf16", "fp16"], default="none", help="mixed precision: "
+      "torch.autocast with this dtype; fp16 adds a GradScaler" + d)
+    a("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm (CUDA only)")
+    a("--channels-last", action="store_true", help="the model and 4-D input batches in "
+      "channels_last (NHWC) memory format: faster convolutions on CPU (docs/speed.md)")
+    a("--compile", action="store_true", help="torch.compile the DDP-wrapped model")
+    a("--checkpoint", metavar="PATH", help="written by one process after every epoch; with it, "
+      "a SIGTERM stops every process at the same step and saves there")
+    a("--save-every", type=natural_int, default=0, metavar="STEPS", help="also write "
+      "--checkpoint every this many steps; a resume continues from that step" + d)
+    a("--resume", action="store_true", help="continue from --checkpoint")
+    a("--evaluate", action="store_true", help="evaluate the model in --checkpoint and exit")
+    a("--metrics", metavar="PATH", help="append one JSON object per epoch (rank 0)")
+    a("--log-interval", type=positive_int, default=50, metavar="STEPS",
+      help="progress line every this many steps" + d)
+    if launcher == "dp":
+        a("--gpus", type=ranged(lambda t: [int(i) for i in t.split(",")], lambda v: all(
+            0 <= i < torch.cuda.device_count() for i in v), "comma-separated ids of this "
+            "machine's GPUs"), help="GPU ids, e.g. 0,1 (default: all)")
+        p.set_defaults(save_on_each_node=False, timeout=None, join_timeout=None)
+    else:
+        a("--save-on-each-node", action="store_true", help="one checkpoint writer per node "
+          "(local rank 0), for nodes without a shared filesystem")
+        a("--timeout", type=positive_float, default=600, metavar="SECONDS", help="how long a "
+          "collective waits for the slowest process, e.g. one writing a checkpoint" + d)
+        a("--join-timeout", type=positive_float, default=60, metavar="SECONDS", help="how long "
+          "the processes wait for each other at start-up" + d)
+    if launcher == "spawn":
+        g = p.add_argument_group("launch (spawn)").add_argument
+        g("--nproc-per-node", type=positive_int, help="processes on this machine (default: one "
+          "per GPU, or 2 without a GPU)")
+        g("--nnodes", type=positive_int, default=1, help="machines" + d)
+        g("--node-rank", type=natural_int, default=0, help="this machine's index")
+        g("--master-addr", help="node 0's address, reachable from every node")
+        g("--master-port", type=ranged(int, lambda v: 0 < v < 65536, "a port number 1-65535"),
+          help="a free port on node 0 (one machine without it: a private file, no port)")
+    if launcher in ("torchrun", "apex"):
+        g = p.add_argument_group(f"launch (torchrun){' and apex' * (launcher == 'apex')}")
+        g.add_argument("--local-rank", "--local_rank", type=natural_int, default=0, help="passed "
+                       "by python -m torch.distributed.launch; LOCAL_RANK in the environment wins")
+    if launcher == "apex":
+        g.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O1", help="apex "
+                       "amp opt level; natively O0 is fp32, the others autocast (docs/apex.md)" + d)
+        g.add_argument("--native", action="store_true", help="the native path even if apex works")
+    common.add_task_flags(p)  # last: a task may also change the defaults above (set_defaults)
+    args = p.parse_args()
+    if launcher == "dp" and args.gpus is None:
+        args.gpus = list(range(torch.cuda.device_count()))
+    if launcher == "spawn" and args.nproc_per_node is None:  # one process per GPU
+        args.nproc_per_node = torch.cuda.device_count() or 2
+    return args
+
+
+def check_args(args, elastic=False, cuda=None):
+    """Refuse what cannot work, in the launching process before anything starts, and make sure
+    every file this node will write can be written. `elastic`: started by torchrun (its
+    environment says who is who); the script then resumes whenever it finds --checkpoint.
+    `cuda`: whether it trains on CUDA (default: where there is a GPU)."""
+    gpus, dp = torch.cuda.device_count(), args.timeout is None
+    cuda = gpus > 0 if cuda is None else cuda
+    nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
+    local = getattr(args, "nproc_per_node", 1)
+    world_size, notes = nnodes * local, True
+    if elastic:  # torchrun's environment; without one, one process
+        local, world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get(
+            "WORLD_SIZE", 1))
+        node_rank = int(os.environ.get("GROUP_RANK", 0))  # its node 0 holds global rank 0
+        notes = int(os.environ.get("LOCAL_RANK", args.local_rank)) == 0
+    if gpus and local > gpus:  # two processes on one GPU: NCCL refuses, or they fight
+        raise Fatal(f"--nproc-per-node {local} but this machine has {gpus} GPU(s)")
+    if dp and (args.sync_bn or args.compile):
+        raise Fatal(f"--{'sync-bn' if args.sync_bn else 'compile'} needs the DDP scripts "
+                    "(spawn_ddp.py): SyncBatchNorm needs a process group, and PyTorch documents "
+                    "torch.compile with DDP, not with DataParallel")
+    if nnodes > 1 and not (args.master_addr and args.master_port):
+        raise Fatal("--nnodes > 1 needs --master-addr (node 0's address) and --master-port")
+    if node_rank >= nnodes and not elastic:
+        raise Fatal(f"--node-rank must be in 0..{nnodes - 1}")
+    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics", args.metrics)):
+        if path and os.path.isdir(path):
+            raise Fatal(f"{flag} {path} is a folder; give a file path")
+    if args.batch_size % (world_size * args.accumulate) and not args.evaluate:
+        raise Fatal(f"--batch-size {args.batch_size} is the global batch " + (
+            f"and must divide by the world size {world_size}" if args.batch_size % world_size
+            else f"of one optimizer step and must divide by world size x --accumulate = "
+            f"{world_size} x {args.accumulate}"))
+    if args.stop_after is not None and args.stop_after > args.epochs:
+        raise Fatal(f"--stop-after {args.stop_after} is past --epochs {args.epochs}")
+    if args.warmup_epochs >= args.epochs:
+        raise Fatal(f"--warmup-epochs {args.warmup_epochs:g} must be shorter than --epochs "
+                    f"{args.epochs}")
+    if args.sync_bn and not cuda:
+        raise Fatal("--sync-bn needs CUDA: nn.SyncBatchNorm does not train on CPU")
+    if not dp and not gpus and dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        # DDP's constructor reads the gloo group's thread count from DETAIL's wrapper as if it
+        # were the group: a read of the wrong object, which crashes or not (troubleshooting.md)
+        raise Fatal("TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch's DDP read invalid memory on gloo "
+                    "(CPU), and crash or not; use INFO (docs/troubleshooting.md)")
+    if args.compile and not cuda and not shutil.which(os.environ.get("CXX", "g++")):
+        raise Fatal("--compile on a CPU needs a C++ compiler for inductor: none runs as $CXX or "
+                    "g++; install g++ or point CXX to one")  # else a traceback at the first step
+    if (args.resume or args.evaluate or args.save_every) and not args.checkpoint:
+        raise Fatal("--resume, --evaluate and --save-every need --checkpoint PATH")
+    if (args.evaluate or args.resume) and local == world_size and not os.path.exists(
+            args.checkpoint):  # on one machine it must be here (elsewhere: another node's)
+        raise Fatal(f"no checkpoint at {args.checkpoint}")
+    if (args.evaluate or args.resume) and not elastic and os.path.isfile(args.checkpoint):
+        # a bad checkpoint fails here once, not in every process (torchrun's each check theirs)
+        with torch.device("meta"):  # shapes only: no memory for the model, no data read
+            model = common.make_model(args)
+        resumable.load_model_state(model, common.load_checkpoint(args.checkpoint)["model"],
+                                   args.checkpoint, assign=True)
+    if notes and slower_than_fp32(args.amp, cuda):
+        say(f"warning: --amp {args.amp} on this {'GPU' if cuda else 'CPU'} is slower than fp32: "
+            f"{slower_than_fp32(args.amp, cuda)}")
+    if getattr(args, "master_port", None) and node_rank == 0:  # node 0 hosts the store there
+        with socket.socket() as s:  # SO_REUSEADDR, as the store: a run that just ended (its
+            if os.name != "nt":  # connections in TIME_WAIT) leaves the port free; on Windows
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # it shares ports
+            try:
+                s.bind(("", args.master_port))
+            except OSError:
+                raise Fatal(f"port {args.master_port} is already in use on this machine; choose "
+                            "another --master-port") from None
+    outputs = [("--metrics", args.metrics)] if node_rank == 0 else []
+    if not args.evaluate and (node_rank == 0 or args.save_on_each_node):
+        outputs.append(("--checkpoint", args.checkpoint))
+    for flag, path in [(f, p) for f, p in outputs if p]:  # created (and said) or refused now
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder)
+            if notes:
+                print(f"created folder {folder} for {flag}", flush=True)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise Fatal(f"{flag} {path}: cannot create the folder {folder} ({e.strerror})") from None
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+            if os.path.exists(path) and not os.access(path, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            raise Fatal(f"{flag} {path}: cannot write in {folder} ({e.strerror})") from None
+
+
+def check_task(model, test_set, device, world_size):
+    """A task that does not fit the scripts (docs/your-own-task.md) fails here in one line, before
+    any training: two test samples through collate, the model (in eval mode), loss_fn,
+    evaluate_batch and summarize. (Test samples: a training set may draw augmentation.)"""
+    if len(test_set) < world_size:
+        raise Fatal(f"the test set has {len(test_set)} samples, fewer than the {world_size} "
+                    "processes: each must evaluate at least one")
+    step, training = "the test set", model.training
+    try:
+        with torch.no_grad():
+            model.eval()
+            samples = [test_set[i] for i in range(min(2, len(test_set)))]
+            step = "collate(samples)"
+            inputs, target = common.collate(samples)
+            step = "the model's forward"
+            output = common.forward(model, common.to_device(inputs, device))
+            step, target = "loss_fn(output, target)", target.to(device)
+            float(common.loss_fn(output, target))
+            step = "evaluate_batch(output, target)"
+            sums = {k: float(v) for k, v in common.evaluate_batch(output, target).items()}
+            step = "summarize(sums)"
+            {k: float(v) for k, v in common.summarize(sums).items()}
+    except Exception as e:
+        detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        raise Fatal(f"the task does not fit the scripts: {step} failed on two samples with "
+                    f"{detail[:200]} (docs/your-own-task.md)") from None
+    model.train(training)
+
+
+# ---- The machine: devices, cores, precision. Portable: Linux, macOS, Windows. ----------------
+
+def process_device(local_rank, local_world_size):
+    """This process's device: its own GPU, made current (so that NCCL and every .cuda() use it),
+    or the CPU with its share of the cores, which processes on one machine otherwise fight over
+    (pytorch/pytorch#22260); OMP_NUM_THREADS, if set, wins."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, cpu_count() // local_world_size))
+    elif not os.environ["OMP_NUM_THREADS"].isdigit() or int(os.environ["OMP_NUM_THREADS"]) < 1:
+        raise Fatal(f"OMP_NUM_THREADS: expected an integer > 0, got "
+                    f"{os.environ['OMP_NUM_THREADS']!r}")
+    return torch.device("cpu")
+
+
+def cpu_count():
+    """Cores this process may use: Linux's affinity mask (containers, taskset, SLURM), or all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_features():
+    """The CPU features PyTorch detects (torch.cpu.get_capabilities; {} where it has none)."""
+    get = getattr(torch.cpu, "get_capabilities", None)
+    return dict(get()) if get else {}
+
+
+def fast_bf16_cpu():
+    """Whether this CPU computes bfloat16 (AVX512_BF16 or AMX on x86, BF16 on ARM); without it
+    autocast emulates bf16, slower than fp32. Unknown: assume it does."""
+    caps = cpu_features()
+    return not caps or any(caps.get(k) for k in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"))
+
+
+def slower_than_fp32(amp, cuda):
+    """Why --amp `amp` runs slower than fp32 on this device, or None."""
+    if amp == "bf16" and cuda and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return (f"{torch.cuda.get_device_name()} has no bfloat16 arithmetic (compute capability "
+                "8.0, Ampere, or later) and emulates it; use fp16")
+    if amp == "fp16" and not cuda:
+        return "float16 autocast on a CPU ran many times slower than fp32 (docs/training.md)"
+    if amp == "bf16" and not cuda and not fast_bf16_cpu():
+        return "it has no bfloat16 instructions (AVX512_BF16, AMX or ARM BF16), so bf16 is emulated"
+    return None
+
+
+# ---- Where the processes meet, where the script itself says -----------------------------------
+
+def on_loopback():
+    """All processes on this machine: gloo's and NCCL's sockets on loopback, where no other
+    machine reaches them (they would listen where the host name resolves, on a laptop perhaps
+    nowhere: pytorch/pytorch#26049). Variables the user set win. docs/security.md."""
+    with contextlib.suppress(AttributeError, OSError):
+        names = [name for _, name in socket.if_nameindex()]
+        lo = next((n for n in names if n.startswith("lo")), None)
+        if lo:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+
+
+def spawn_store(args, store_file, rank):
+    """Where spawn_ddp.py's processes meet. One machine: a file in the launcher's private folder
+    (no port). Several, or --master-port: a TCP store that rank 0 hosts on node 0 (on every
+    interface: docs/security.md), in which the nodes first check that all run as many processes.
+    --join-timeout bounds the wait for a process that never comes; collectives wait --timeout."""
+    nproc, join = args.nproc_per_node, timedelta(seconds=args.join_timeout)
+    if args.master_port is None:
+        on_loopback()
+        store = dist.FileStore(store_file, args.nnodes * nproc)
+        store.set_timeout(join)
+        return store
+    store = dist.TCPStore(args.master_addr or "127.0.0.1", args.master_port, is_master=rank == 0,
+                          timeout=join)
+    store.set(f"nproc/{args.node_rank}", str(nproc))
+    counts = [int(store.get(f"nproc/{n}")) for n in range(args.nnodes)]
+    if len(set(counts)) > 1:  # their ranks would collide; rank 0, the store's host, waits for
+        store.add("nproc/read", 1)  # every process to read the counts before it leaves
+        while rank == 0 and store.add("nproc/read", 0) < sum(counts):
+            time.sleep(0.05)
+        raise Fatal(f"every node must run the same --nproc-per-node; nodes 0..{args.nnodes - 1} "
+                    f"run {', '.join(map(str, counts))}")
+    return store
+
+
+def torchrun_store(args, world_size, nproc):
+    """The store that init_process_group would make from torchrun's environment (MASTER_ADDR,
+    MASTER_PORT), with its keys prefixed with the restart count, because the agent's store still
+    holds a dead round's addresses, which gloo may connect to (pytorch/pytorch#167288), and a
+    wait of --join-timeout for a process that never comes. Without torchrun: one in memory."""
+    if nproc == world_size:
+        on_loopback()
+    if "RANK" not in os.environ:
+        return dist.HashStore()
+    store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))
+    return dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
+
+
+def worker(local_rank, train, args, private):
+    """mp.spawn's target: train(local_rank, args, the store's file in the launcher's private
+    folder), an error as one line that names the rank."""
+    with clean_exit(f"[rank {args.node_rank * args.nproc_per_node + local_rank}] "):
+        train(local_rank, args, os.path.join(private, "store"))
+
+
+def join(workers):
+    """spawn_ddp.py's launcher: wait for its processes; a SIGTERM to it alone (`kill PID`) goes on
+    to them, and none outlives it."""
+    signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in workers.processes])
+    try:
+        while not workers.join():
+            pass
+    except torch.multiprocessing.ProcessExitedException as e:  # it has said why
+        raise Preempted() if e.exit_code == PREEMPTED else Failed(
+            f"worker {e.error_index} exited with code {e.exit_code}") from None
+    finally:  # Ctrl-C, or a failure
+        [p.terminate() for p in workers.processes if p.is_alive()]
+
+
+# ---- Reporting: the console and --metrics, from rank 0 only ----------------------------------
+
+class Reporter:
+    def __init__(self, args, rank, world_size, device):
+        self.on, self.args, self.world_size = rank == 0, args, world_size
+        nodes = getattr(args, "nnodes", 0) or world_size // int(os.environ.get(
+            "LOCAL_WORLD_SIZE", world_size))
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        self.log(f"{world_size} processes ({nodes} node(s) x {world_size // nodes})"
+                 f"{f', backend {dist.get_backend()}' if dist.is_initialized() else ''}, device "
+                 f"{device.type}, {torch.get_num_threads()} thread(s) each"
+                 f"{f', restart {restart} (TORCHELASTIC_RESTART_COUNT)' if restart else ''}")
+        self.log(f"LR {args.lr:g} at batch {common.REFERENCE_BATCH} -> {common.peak_lr(args):.4g} "
+                 f"at {args.batch_size} ({common.LR_RULES[args.lr_scaling]})")
+
+    def log(self, msg):
+        if self.on:
+            print(msg, flush=True)
+
+    def progress(self, epoch, step, steps, loss, lr, stats):
+        rate = stats.seen * self.world_size / max(time.perf_counter() - stats.start, 1e-9)
+        self.log(f"epoch {epoch + 1}/{self.args.epochs} step {step}/{steps} loss {loss:.4f} "
+                 f"lr {lr:.3g} {rate:.0f} samples/s")
+
+    def record(self, **fields):
+        """One epoch (or an evaluation): a line on the console, a JSON line in --metrics."""
+        fields["world_size"] = self.world_size
+        self.log(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in fields.items()))
+        if self.on and self.args.metrics:
+            with open(self.args.metrics, "a") as f:
+                f.write(json.dumps(fields) + "\n")
+
+
+class EpochStats:
+    """One epoch of one process: its loss summed on the device (no sync per step), the samples
+    it trained, its seconds (after the GPU's queued work) and the time it waited for batches."""
+
+    def __init__(self, device):
+        self.device, self.seen, self.data_wait = device, 0, 0.0
+        self.loss_sum, self.start = torch.zeros((), device=device), self.now()
+
+    def now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def timed(self, loader):
+        """The loader's batches, adding up how long the loop waits for each."""
+        batches, start = iter(loader), time.perf_counter()
+        for batch in batches:
+            self.data_wait += time.perf_counter() - start
+            yield batch
+            start = time.perf_counter()
+
+    def add(self, loss, n):
+        self.loss_sum += loss.detach() * n
+        self.seen += n
+
+    def speed(self, world_size):
+        """The epoch's seconds, samples per second over all processes, the share spent waiting."""
+        seconds = self.now() - self.start
+        return {"epoch_seconds": seconds, "samples_per_s": self.seen * world_size / seconds,
+                "data_wait": self.data_wait / seconds}
