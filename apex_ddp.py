@@ -137,7 +137,7 @@ def train(local_rank, args, why):
         report.record(epoch=epoch, evaluate=True, **common.evaluate(model, test_loader, device))
     stop = resumable.StopSignal(args.checkpoint, device, steps)  # SIGTERM: stop, and save
     scale = loss_scale()
-    for epoch in range(epoch, epoch if args.evaluate else args.stop_after or args.epochs):
+    for epoch in range(epoch, epoch if args.evaluate else args.epochs):
         sampler.set_epoch(epoch)  # a new order each epoch
         train_set.set_epoch(epoch)  # and new augmentation
         loader.sampler.skip = step * batch_size  # resuming mid-epoch: skip what was trained
@@ -179,6 +179,8 @@ def train(local_rank, args, why):
         save(epoch + 1, 0)
         report.record(epoch=epoch + 1, train_loss=train_loss, **metrics, **speed)
         step = 0
+        if epoch + 1 == args.stop_after:  # this run ends here; a later one continues
+            break
     stop.close()
     dist.destroy_process_group()  # frees the group's threads and sockets
 

@@ -109,7 +109,7 @@ def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, straight, 
     assert f"loaded {local}: 1 epoch(s) + 0 step(s) trained" in out, out
     assert f"had no copy of {local} at 1 epoch(s) + 0 step(s): rank " in out, out
     assert [(r["epoch"], r["world_size"]) for r in read_metrics(tmp_path / "m.jsonl")] == \
-        [(1, 2), (2, 2)]
+        [(1, 2), (2, 2)], out
     writers = check_job(cluster, name, local)
     assert all(len(writers[n]) == 1 for n in NODES), writers  # one writer on each node
     never_interrupted = load(straight(2, 64, 2) / "c.pt")  # the same training (conftest)
