@@ -6,7 +6,7 @@
 - Data workers are forked before the process group starts its threads (a fork while they run
   can hang the child: python/cpython#112275), and share the training process's memory: the
   dataset is neither copied into /dev/shm (a container's default is 64 MB) nor sent over one
-  descriptor per tensor ("too many fds"; tests/test_other_tasks.py has 2,000 of them).
+  descriptor per tensor ("too many fds" past 256).
 - Two writers of one checkpoint path (a shared disk with --save-on-each-node) never share a
   temporary file. (A checkpoint read once per process onto the CPU, and sent in bounded pieces
   to a process without a copy: test_resume_together.py.)"""
@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import common
 import resumable
@@ -114,3 +115,16 @@ def test_two_writers_of_one_path_never_share_a_temporary_file(tmp_path):
     assert [w.exitcode for w in writers] == [0, 0]
     assert torch.load(path, weights_only=True)["epoch"] == 39
     assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_a_dataset_of_2000_small_tensors_loads_with_workers():
+    """The scripts' workers (forked, started before any process group) load a dataset of 2,000
+    small tensors; a fork server, which sends the dataset to each worker one descriptor per
+    tensor, fails on it at once (Python's fork server passes at most 256)."""
+    data = [torch.full((3,), float(i)) for i in range(2000)]
+    loader = DataLoader(data, batch_size=100, num_workers=2, **resumable.worker_options(2))
+    resumable.start_workers(loader)
+    assert sorted(int(x[0]) for batch in loader for x in batch) == list(range(2000))
+    control = DataLoader(data, batch_size=100, num_workers=2, multiprocessing_context="forkserver")
+    with pytest.raises(Exception, match="too many fds"):
+        list(control)

@@ -1,8 +1,8 @@
 """Tasks that are not image classification, defined through the task's names alone (the table
 of docs/your-own-task.md) and appended to a copy of common.py: text classification with dict
-samples of 5 to 60 tokens, a padding collate and a small Transformer (tests/tasks/text.py; 2,000
-samples of small tensors), and regression with the test RMSE as its metric (the page's second
-recipe, as written). Each trains through torchrun_ddp.py and spawn_ddp.py with 2 processes and
+samples of 5 to 60 tokens, a padding collate and a small Transformer (tests/tasks/text.py; 512
+samples here, a small tensor each), and regression with the test RMSE as its metric (the
+page's second recipe, as written). Each trains through torchrun_ddp.py and spawn_ddp.py with 2 processes and
 --workers 2, is stopped by SIGTERM to every process in the middle of an epoch and resumes
 bit-identically, and --evaluate reports the task's own metric. A task that does not fit fails
 in one line before training."""
