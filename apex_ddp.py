@@ -165,9 +165,9 @@ def train(local_rank, args, why):
                 ddp.enable_allreduce()
                 stats.add(loss, len(y))
             optimizer.step()  # native: scaler.step(optimizer); amp skips it after an overflow
-            if loss_scale() >= scale:  # apex lowers the scale when it skipped a step: the
-                scheduler.step()  # schedule waits for it, as with the native GradScaler
-            scale = loss_scale()
+            scale, before = loss_scale(), scale  # apex lowers it when it skipped a step: the
+            if scale >= before:  # schedule waits for that step, as with the native GradScaler
+                scheduler.step()
             if step % args.log_interval == 0:
                 loss = common.reduce_tensor(stats.loss_sum).item() / stats.seen  # all processes'
                 report.progress(epoch, step, steps, loss, scheduler.get_last_lr()[0], stats)

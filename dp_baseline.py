@@ -86,9 +86,9 @@ def train(args):
                 stats.add(loss, len(y))
             scaler.step(optimizer)  # with fp16, skipped when a gradient overflowed
             scaler.update()
-            if scaler.get_scale() >= scale:  # so the schedule waits for a skipped step
+            scale, before = scaler.get_scale(), scale  # with fp16, one sync a step
+            if scale >= before:  # so the schedule waits for a step the scaler skipped
                 scheduler.step()
-            scale = scaler.get_scale()
             if step % args.log_interval == 0:
                 loss = stats.loss_sum.item() / stats.seen
                 report.progress(epoch, step, steps, loss, scheduler.get_last_lr()[0], stats)

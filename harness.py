@@ -110,9 +110,10 @@ positive_float = ranged(float, lambda v: 0 < v < math.inf, "a number > 0")
 natural_float = ranged(float, lambda v: 0 <= v < math.inf, "a number >= 0")
 
 
-def parse_args(description, launcher):
+def parse_args(description, launcher, argv=None):
     """The flags of every script (docs/flags.md), those of `launcher` ("dp": one process;
-    "spawn"; "torchrun"; "apex"), then the task's (common.add_task_flags)."""
+    "spawn"; "torchrun"; "apex"), then the task's (common.add_task_flags), from `argv` (default:
+    the command line)."""
     p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     a, d = p.add_argument, " (default: %(default)s)"
     a("--epochs", type=positive_int, default=1, help="epochs the LR schedule spans" + d)
@@ -177,7 +178,7 @@ def parse_args(description, launcher):
                        "amp opt level; natively O0 is fp32, the others autocast (docs/apex.md)" + d)
         g.add_argument("--native", action="store_true", help="the native path even if apex works")
     common.add_task_flags(p)  # last: a task may also change the defaults above (set_defaults)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if launcher == "dp" and args.gpus is None:
         args.gpus = list(range(torch.cuda.device_count()))
     if launcher == "spawn" and args.nproc_per_node is None:  # one process per GPU
@@ -244,9 +245,10 @@ def check_args(args, elastic=False, cuda=None):
             model = common.make_model(args)
         resumable.load_model_state(model, common.load_checkpoint(args.checkpoint)["model"],
                                    args.checkpoint, assign=True)
-    if notes and slower_than_fp32(args.amp, cuda):
-        say(f"warning: --amp {args.amp} on this {'GPU' if cuda else 'CPU'} is slower than fp32: "
-            f"{slower_than_fp32(args.amp, cuda)}")
+    slow = slower_than_fp32(args.amp, cuda)
+    if notes and slow:
+        say(f"warning: --amp {args.amp} on this {'GPU' if cuda else 'CPU'} is slower than "
+            f"fp32: {slow}")
     if getattr(args, "master_port", None) and node_rank == 0:  # node 0 hosts the store there
         with socket.socket() as s:  # SO_REUSEADDR, as the store: a run that just ended (its
             if os.name != "nt":  # connections in TIME_WAIT) leaves the port free; on Windows
@@ -385,8 +387,10 @@ def spawn_store(args, store_file, rank):
     store.set(f"nproc/{args.node_rank}", str(nproc))
     counts = [int(store.get(f"nproc/{n}")) for n in range(args.nnodes)]
     if len(set(counts)) > 1:  # their ranks would collide; rank 0, the store's host, waits for
-        store.add("nproc/read", 1)  # every process to read the counts before it leaves
-        while rank == 0 and store.add("nproc/read", 0) < sum(counts):
+        store.add("nproc/read", 1)  # every process to read the counts (--join-timeout at most)
+        deadline = time.monotonic() + args.join_timeout
+        while rank == 0 and store.add("nproc/read", 0) < sum(counts) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         raise Fatal(f"every node must run the same --nproc-per-node; nodes 0..{args.nnodes - 1} "
                     f"run {', '.join(map(str, counts))}")

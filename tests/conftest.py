@@ -229,6 +229,39 @@ def workers_of(agent_pid):
     return found
 
 
+def family(pid):
+    """pid and all its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def sigterm_when(cmd, line_start, env, cwd=ROOT, timeout=180):
+    """Runs `cmd` as a process group of its own and, once a line of its output starts with
+    `line_start`, sends SIGTERM to the whole group (data workers included, as torchrun's
+    os.killpg and SLURM's scancel do); returns (the rest of stdout, stderr) when it has ended."""
+    proc = subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, env=env)
+    try:
+        for line in proc.stdout:
+            if line.startswith(line_start):
+                break
+        os.killpg(proc.pid, signal.SIGTERM)
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
 def wait_for(condition, timeout, what):
     deadline = time.monotonic() + timeout
     while not condition():

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 import common
 import resumable
-from conftest import ROOT, read_records, run_script, script_env
+from conftest import ROOT, family, read_records, run_script, script_env
 
 ARGS = ("--batch-size", 32, "--log-interval", 1000)  # 19 steps an epoch on the tiny MNIST
 
@@ -58,14 +58,6 @@ def shm_mapped(pid):
     return total
 
 
-def children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
-    except OSError:
-        return []
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc")
 def test_data_workers_are_forked_before_the_group_and_share_the_dataset(tmp_path):
@@ -81,10 +73,7 @@ def test_data_workers_are_forked_before_the_group_and_share_the_dataset(tmp_path
     try:
         for line in proc.stdout:
             if line.startswith("epoch 1/1 step"):
-                everyone = [proc.pid]
-                for pid in everyone:
-                    everyone += children(pid)
-                most = max([most] + [shm_mapped(p) for p in everyone])
+                most = max([most] + [shm_mapped(p) for p in family(proc.pid)])
         proc.wait(timeout=300)
     finally:
         if proc.poll() is None:

@@ -28,12 +28,7 @@ from conftest import N_TEST, N_TRAIN, free_port
 
 def args_for(data=None, launcher="dp", **kw):
     """The scripts' defaults, as parsed, with some values replaced."""
-    argv = sys.argv
-    try:
-        sys.argv = ["script", *(["--data-dir", str(data)] if data else ["--dummy"])]
-        args = harness.parse_args("", launcher)
-    finally:
-        sys.argv = argv
+    args = harness.parse_args("", launcher, ["--data-dir", str(data)] if data else ["--dummy"])
     for k, v in kw.items():
         setattr(args, k, v)
     return args

@@ -358,9 +358,6 @@ def test_the_stop_agreement_runs_on_nccl_and_resumes_bit_identical(tiny_mnist, t
     """SIGTERM to every process in the middle of an epoch on 2 GPUs: the one-number agreement
     runs on NCCL (no gloo group is made), both stop at one step with a snapshot, and the resume
     ends as a run never interrupted."""
-    import os
-    import signal
-    import subprocess
     straight, stopped, rec = tmp_path / "straight.pt", tmp_path / "stopped.pt", tmp_path / "rec"
     rec.mkdir()
     flags = ["--data-dir", tiny_mnist, "--nproc-per-node", 2, "--batch-size", 32, "--epochs", 2,
@@ -368,19 +365,8 @@ def test_the_stop_agreement_runs_on_nccl_and_resumes_bit_identical(tiny_mnist, t
     run_script("spawn_ddp.py", *flags, "--checkpoint", straight, timeout=300)
     cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), *map(str, flags), "--checkpoint",
            str(stopped)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True,
-                            env=conftest.script_env(record=rec, gpus=True))
-    try:
-        for line in proc.stdout:
-            if line.startswith("epoch 1/2 step 4/"):
-                break
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    _, err = conftest.sigterm_when(cmd, "epoch 1/2 step 4/",
+                                   conftest.script_env(record=rec, gpus=True), cwd=tmp_path)
     assert "preempted: stopped on SIGTERM after step" in err, err
     assert not read_records(rec, "group")  # NCCL's group alone
     assert load_on_cpu(stopped)["step"] >= 4

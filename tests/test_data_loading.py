@@ -13,9 +13,6 @@ What must hold, each checked on the logs of real runs:
   send it) saves at the agreed step, and the resume loads nothing for the batches already
   trained, draws what the uninterrupted run drew, and ends bit-identical to it."""
 import json
-import os
-import signal
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -24,7 +21,7 @@ import pytest
 
 import resumable
 from conftest import N_TRAIN, ROOT, assert_same_training_state, load, max_rel_diff, \
-    run_script, script_env, with_task
+    run_script, script_env, sigterm_when, with_task
 
 pytestmark = pytest.mark.slow
 
@@ -131,20 +128,8 @@ def test_sigterm_to_every_process_with_workers_then_an_exact_resume(repo, tiny_m
     log.mkdir()
     cmd = [sys.executable, *TORCHRUN, str(repo / "torchrun_ddp.py"), "--data-dir",
            str(tiny_mnist), *map(str, ARGS), "--workers", "2", "--checkpoint", str(ckpt)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True,
-                            env=script_env(DDP_TEST_STEP_DELAY=0.1, DDP_TEST_TASK_LOG=log,
-                                           OMP_NUM_THREADS=1))
-    try:
-        for line in proc.stdout:
-            if line.startswith("epoch 1/2 step 5/"):
-                break
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    _, err = sigterm_when(cmd, "epoch 1/2 step 5/", script_env(
+        DDP_TEST_STEP_DELAY=0.1, DDP_TEST_TASK_LOG=log, OMP_NUM_THREADS=1), timeout=120)
     assert "DataLoader worker" not in err and "preempted: stopped on SIGTERM" in err, err
     snap = load(ckpt)
     assert snap["epoch"] == 0 and snap["step"] >= 5

@@ -6,16 +6,13 @@ page's second recipe, as written). Each trains through torchrun_ddp.py and spawn
 --workers 2, is stopped by SIGTERM to every process in the middle of an epoch and resumes
 bit-identically, and --evaluate reports the task's own metric. A task that does not fit fails
 in one line before training."""
-import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT, assert_same_training_state, load, read_metrics, run_script, \
-    script_env, with_task
+    script_env, sigterm_when, with_task
 
 pytestmark = pytest.mark.slow
 
@@ -66,18 +63,7 @@ def test_stopped_by_sigterm_and_resumed_bit_identical(task, script, tmp_path):
     launch = [*TORCHRUN, str(repo / script)] if script == "torchrun_ddp.py" else \
         [str(repo / script), "--nproc-per-node", "2"]
     cmd = [sys.executable, *launch, *map(str, COMMON + flags), "--checkpoint", str(ckpt)]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, env=script_env())
-    try:
-        for line in proc.stdout:
-            if line.startswith("epoch 1/2 step 3/"):
-                break
-        os.killpg(proc.pid, signal.SIGTERM)  # every process, data workers included
-        _, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    _, err = sigterm_when(cmd, "epoch 1/2 step 3/", script_env(), cwd=tmp_path)  # workers too
     assert "DataLoader worker" not in err, err  # (torchrun's agent prints a traceback of its own)
     assert not re.search(r'File "[^"]*(common|harness|resumable|_ddp)\.py"', err), err
     assert [ln for ln in err.splitlines() if "preempted:" in ln], err

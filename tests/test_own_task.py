@@ -4,15 +4,13 @@ run with --dummy (torchvision's FakeData, no download) and 2 data workers per pr
 Through torchrun_ddp.py and spawn_ddp.py, each stopped by SIGTERM to every process of the job
 (the workers too) in the middle of an epoch and resumed, both end bit-identical to a run never
 interrupted."""
-import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, load, run_script, script_env, with_task
+from conftest import ROOT, assert_same_training_state, load, run_script, script_env, \
+    sigterm_when, with_task
 
 
 PAGE = ROOT / "docs" / "your-own-task.md"
@@ -52,18 +50,7 @@ def test_stopped_by_sigterm_and_resumed_bit_identical(repo, uninterrupted, tmp_p
     launch = [*TORCHRUN, str(repo / script)] if script == "torchrun_ddp.py" else \
         [str(repo / script), "--nproc-per-node", "2"]
     cmd = [sys.executable, *launch, *map(str, ARGS), "--checkpoint", str(ckpt)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, env=script_env())
-    try:
-        for line in proc.stdout:
-            if line.startswith("epoch 1/2 step 3/"):
-                break
-        os.killpg(proc.pid, signal.SIGTERM)  # every process, data workers included
-        out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    _, err = sigterm_when(cmd, "epoch 1/2 step 3/", script_env())  # every process, workers too
     assert "DataLoader worker" not in err, err
     [line] = [ln for ln in err.splitlines() if "preempted:" in ln]
     snap = load(ckpt)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, script_env
+from conftest import ROOT, family, script_env
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc")]
@@ -50,21 +50,6 @@ def listening_inodes():
                 if fields[3] == "0A":
                     found[int(fields[9])] = _address(fields[1])
     return found
-
-
-def family(pid):
-    """pid and all its descendants."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
 
 
 def sockets_of(pid):
