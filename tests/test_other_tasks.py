@@ -63,7 +63,9 @@ def test_stopped_by_sigterm_and_resumed_bit_identical(task, script, tmp_path):
     launch = [*TORCHRUN, str(repo / script)] if script == "torchrun_ddp.py" else \
         [str(repo / script), "--nproc-per-node", "2"]
     cmd = [sys.executable, *launch, *map(str, COMMON + flags), "--checkpoint", str(ckpt)]
-    _, err = sigterm_when(cmd, "epoch 1/2 step 3/", script_env(), cwd=tmp_path)  # workers too
+    # steps slowed (same results) so that the signal lands before the check at step 7 of 8
+    _, err = sigterm_when(cmd, "epoch 1/2 step 3/", script_env(DDP_TEST_STEP_DELAY=0.2),
+                          cwd=tmp_path)  # to every process, data workers too
     assert "DataLoader worker" not in err, err  # (torchrun's agent prints a traceback of its own)
     assert not re.search(r'File "[^"]*(common|harness|resumable|_ddp)\.py"', err), err
     assert [ln for ln in err.splitlines() if "preempted:" in ln], err
