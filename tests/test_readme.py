@@ -8,6 +8,8 @@ import difflib
 import functools
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -58,31 +60,43 @@ def test_flags_table_matches_every_parser():
 
 def test_readme_links_point_at_the_ddp_lines():
     """Each row of the README's "From one process to DDP" table names the code (its first
-    backticked text) that the lines it links to in spawn_ddp.py and torchrun_ddp.py contain."""
+    backticked text) that the lines it links to contain: in spawn_ddp.py and torchrun_ddp.py
+    always, in the lesson's lesson/ddp.py where the lesson has it."""
     rows = [line for line in readme().split("## From one process to DDP", 1)[1]
             .split("\n## ", 1)[0].splitlines() if re.match(r"\| (\d+|\+) \|", line)]
     assert len(rows) >= 8
     for row in rows:
         code = re.search(r"`([^`]+)`", row).group(1)
-        links = re.findall(r"\]\(([\w.]+\.py)#L(\d+)\)", row)
-        assert {f for f, _ in links} == {"spawn_ddp.py", "torchrun_ddp.py"}, row
-        for shown, line in re.findall(r"\[(\d+)\]\([\w.]+\.py#L(\d+)\)", row):
+        links = re.findall(r"\]\(([\w./]+\.py)#L(\d+)\)", row)
+        assert {f for f, _ in links} - {"lesson/ddp.py"} == {"spawn_ddp.py", "torchrun_ddp.py"}, row
+        for shown, line in re.findall(r"\[(\d+)\]\([\w./]+\.py#L(\d+)\)", row):
             assert shown == line, f"README shows line {shown} but links to line {line}: {row}"
         for name, line in links:
             text = (ROOT / name).read_text().splitlines()[int(line) - 1]
             assert code in text, f"README: {name}#L{line} is {text.strip()!r}, not {code!r}"
 
 
+def changed_lines(a, b):
+    one, two = ((ROOT / f).read_text().splitlines() for f in (a, b))
+    return sum(1 for line in difflib.unified_diff(one, two, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
 def test_the_lesson_is_a_diff_of_at_most_60_lines():
-    """The README's lesson is `diff dp_baseline.py spawn_ddp.py`: the one-process training and
-    its DDP version, at most 60 changed lines (both sides), as many as the README says."""
-    one, ddp = ((ROOT / f).read_text().splitlines() for f in ("dp_baseline.py", "spawn_ddp.py"))
-    changed = sum(1 for line in difflib.unified_diff(one, ddp, lineterm="", n=0)
-                  if line[:1] in "+-" and not line.startswith(("+++", "---")))
-    assert changed <= 60
-    said = re.search(r"`diff dp_baseline\.py spawn_ddp\.py` is the whole lesson, (\d+) changed",
-                     " ".join(readme().split()))
-    assert said and int(said.group(1)) == changed
+    """The README's lesson is `diff lesson/one_process.py lesson/ddp.py`: a plain training loop
+    and its DDP version, at most 60 changed lines (both sides), as many as the README says; and
+    the full scripts keep the same shape: `diff dp_baseline.py spawn_ddp.py` at most 60 too."""
+    text = " ".join(readme().split())
+    changed = changed_lines("lesson/one_process.py", "lesson/ddp.py")
+    said = re.search(r"`diff lesson/one_process\.py lesson/ddp\.py` is the whole lesson, (\d+) "
+                     r"changed lines", text)
+    assert changed <= 60 and said and int(said.group(1)) == changed
+    lines = len((ROOT / "lesson" / "one_process.py").read_text().splitlines())
+    assert f"a plain training loop in one process ({lines} lines)" in text
+    changed = changed_lines("dp_baseline.py", "spawn_ddp.py")
+    said = re.search(r"`diff dp_baseline\.py spawn_ddp\.py` shows the lesson again between the "
+                     r"full scripts, (\d+) changed lines", text)
+    assert changed <= 60 and said and int(said.group(1)) == changed
 
 
 def test_common_is_the_task_and_the_helpers_in_at_most_300_lines():
@@ -231,7 +245,17 @@ def parsed():
     return results
 
 
+@functools.cache
+def lesson_help(script):
+    return subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True,
+                          text=True, check=True).stdout
+
+
 def check_script_args(script, args):
+    if script.startswith("lesson/"):  # argparse alone: each flag is one its --help lists
+        for flag in (a.split("=")[0] for a in args if a.startswith("--")):
+            assert re.search(rf"^\s+{flag}\b", lesson_help(script), re.M), (script, flag)
+        return
     assert script in (*SCRIPTS, "bench.py"), script
     r = parsed()[script, tuple(args)]
     if "--help" in args or "-h" in args:  # argparse prints the help and exits 0 before main runs

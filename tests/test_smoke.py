@@ -5,7 +5,7 @@ Eight launches prove it, by agreeing with each other bit for bit: the same seed 
 batch train the same model in every launch style (DDP at world size 1 is the bare loop, and
 the native path of apex_ddp.py at O0 is torchrun_ddp.py's), a run stopped after epoch 1 and
 resumed ends where a straight run ends, and evaluation counts the same test samples correct at
-1, 2 and 3 processes."""
+1, 2 and 3 processes. The lesson pair (lesson/) trains too."""
 import pytest
 
 from conftest import N_TEST, assert_same_training_state, load, read_metrics, run_script
@@ -72,3 +72,12 @@ def test_evaluation_counts_the_same_at_any_world_size(tiny_mnist, tmp_path, two_
     [row] = read_metrics(tmp_path / "m.jsonl")
     assert row["total"] == N_TEST and row["world_size"] == nproc
     assert row["correct"] == read_metrics(two_processes / "m.jsonl")[-1]["correct"]
+
+
+@pytest.mark.parametrize("script,launcher", [("lesson/one_process.py", ()),
+                                             ("lesson/ddp.py", (*TORCHRUN, "--nproc-per-node=2"))])
+def test_the_lesson_trains(tiny_mnist, tmp_path, script, launcher):
+    """The README's lesson pair, on the torch at hand (tests/test_lesson.py checks it closely)."""
+    r = run_script(script, "--data-dir", tiny_mnist, "--batch-size", 64, "--checkpoint",
+                   tmp_path / "c.pt", launcher=launcher, OMP_NUM_THREADS=1)
+    assert f"total {N_TEST}" in r.stdout and load(tmp_path / "c.pt")["epoch"] == 1

@@ -1,0 +1,83 @@
+"""The lesson, second half: one_process.py made data-parallel with DistributedDataParallel,
+one process per GPU (or 2 on a CPU), started by torchrun (README.md).
+
+    torchrun --standalone --nproc-per-node 2 lesson/ddp.py --epochs 2 --checkpoint lesson.pt
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import common  # noqa: E402  (one folder up: the task, MNIST, and the helpers)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=256, help="the global batch")
+    p.add_argument("--checkpoint", help="where to save the model after every epoch")
+    common.add_task_flags(p)  # --data-dir, --dummy
+    p.set_defaults(lr=0.01, lr_scaling="sqrt", warmup_epochs=0.2)  # the scripts' default recipe
+    args = p.parse_args()
+    # torchrun tells each process who it is in its environment: LOCAL_RANK (0, 1, ... on this
+    # machine), RANK and WORLD_SIZE (over all machines), and where to meet (MASTER_ADDR/PORT).
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("error: start it with torchrun: torchrun --nproc-per-node 2 lesson/ddp.py")
+    local_rank, cuda = int(os.environ["LOCAL_RANK"]), torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")  # its own GPU
+    if cuda:
+        torch.cuda.set_device(device)
+    # The process group, in which every collective (all-reduce, barrier) runs; it reads
+    # torchrun's environment, which is all it needs.
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if local_rank == 0:
+        common.prepare_data(args)  # MNIST downloads to --data-dir if it is not there
+    dist.barrier()  # the others wait until the first process of their machine has it
+
+    train_set, test_set = common.make_datasets(args)
+    batch_size = args.batch_size // world_size  # its part of the global batch
+    sampler = DistributedSampler(train_set, world_size, rank, seed=0)  # a shard of its own
+    loader = DataLoader(train_set, batch_size, sampler=sampler, collate_fn=common.collate)
+    test_loader = DataLoader(test_set, batch_size, collate_fn=common.collate,
+                             sampler=range(rank, len(test_set), world_size))  # each sample once
+
+    torch.manual_seed(0)  # the initial weights, the same in every process
+    model = common.make_model(args).to(device)
+    ddp = DDP(model, device_ids=[local_rank] if cuda else None)  # backward averages gradients
+    optimizer = common.make_optimizer(model, args)
+    scheduler = common.make_scheduler(optimizer, args, len(loader))
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
+        model.train()
+        loss_sum, seen = torch.zeros((), device=device), 0
+        for inputs, target in loader:
+            inputs, target = common.to_device(inputs, device), target.to(device)
+            loss = common.loss_fn(common.forward(ddp, inputs), target)  # through the wrapper
+            optimizer.zero_grad()
+            loss.backward()  # DDP all-reduces the gradients here
+            optimizer.step()
+            scheduler.step()
+            loss_sum += loss.detach() * len(target)  # summed on the device: no wait per step
+            seen += len(target)
+        train_loss = common.reduce_tensor(loss_sum).item() / seen  # over all processes
+        metrics = common.evaluate(model, test_loader, device)  # the plain model; all-reduces
+        if args.checkpoint and rank == 0:  # one writer: the plain model, no "module." prefix
+            common.save_checkpoint({"model": model.state_dict(), "epoch": epoch + 1},
+                                   args.checkpoint)
+        dist.barrier()  # nobody runs ahead, or exits, before the checkpoint is complete
+        if rank == 0:
+            print(f"epoch {epoch + 1} train_loss {train_loss:.4f}",
+                  *(f"{name} {value:g}" for name, value in metrics.items()), flush=True)
+    dist.destroy_process_group()  # frees the group's threads and sockets
+
+
+if __name__ == "__main__":
+    main()
