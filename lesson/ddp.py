@@ -23,7 +23,9 @@ def main():
     p.add_argument("--batch-size", type=int, default=256, help="the global batch")
     p.add_argument("--checkpoint", help="where to save the model after every epoch")
     common.add_task_flags(p)  # --data-dir, --dummy
-    p.set_defaults(lr=0.01, lr_scaling="sqrt", warmup_epochs=0.2)  # the scripts' default recipe
+    # The optimizer recipe that common.make_optimizer and make_scheduler read: the scripts'
+    # defaults for --lr, --lr-scaling and --warmup-epochs (docs/flags.md).
+    p.set_defaults(lr=0.01, lr_scaling="sqrt", warmup_epochs=0.2)
     args = p.parse_args()
     # torchrun tells each process who it is in its environment: LOCAL_RANK (0, 1, ... on this
     # machine), RANK and WORLD_SIZE (over all machines), and where to meet (MASTER_ADDR/PORT).
@@ -42,7 +44,7 @@ def main():
     dist.barrier()  # the others wait until the first process of their machine has it
 
     train_set, test_set = common.make_datasets(args)
-    batch_size = args.batch_size // world_size  # its part of the global batch
+    batch_size = args.batch_size // world_size  # its part of the global batch (divisible)
     sampler = DistributedSampler(train_set, world_size, rank, seed=0)  # a shard of its own
     loader = DataLoader(train_set, batch_size, sampler=sampler, collate_fn=common.collate)
     test_loader = DataLoader(test_set, batch_size, collate_fn=common.collate,
@@ -59,6 +61,8 @@ def main():
         model.train()
         loss_sum, seen = torch.zeros((), device=device), 0
         for inputs, target in loader:
+            # .to(device), and common.forward is model(inputs): both also take the dicts and
+            # tuples of tensors that a task of your own may have (docs/your-own-task.md)
             inputs, target = common.to_device(inputs, device), target.to(device)
             loss = common.loss_fn(common.forward(ddp, inputs), target)  # through the wrapper
             optimizer.zero_grad()
@@ -67,7 +71,7 @@ def main():
             scheduler.step()
             loss_sum += loss.detach() * len(target)  # summed on the device: no wait per step
             seen += len(target)
-        train_loss = common.reduce_tensor(loss_sum).item() / seen  # over all processes
+        train_loss = common.reduce_tensor(loss_sum).item() / seen  # the mean over processes
         metrics = common.evaluate(model, test_loader, device)  # the plain model; all-reduces
         if args.checkpoint and rank == 0:  # one writer: the plain model, no "module." prefix
             common.save_checkpoint({"model": model.state_dict(), "epoch": epoch + 1},

@@ -20,7 +20,9 @@ def main():
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--checkpoint", help="where to save the model after every epoch")
     common.add_task_flags(p)  # --data-dir, --dummy
-    p.set_defaults(lr=0.01, lr_scaling="sqrt", warmup_epochs=0.2)  # the scripts' default recipe
+    # The optimizer recipe that common.make_optimizer and make_scheduler read: the scripts'
+    # defaults for --lr, --lr-scaling and --warmup-epochs (docs/flags.md).
+    p.set_defaults(lr=0.01, lr_scaling="sqrt", warmup_epochs=0.2)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     common.prepare_data(args)  # MNIST downloads to --data-dir if it is not there
@@ -39,6 +41,8 @@ def main():
         model.train()
         loss_sum, seen = torch.zeros((), device=device), 0
         for inputs, target in loader:
+            # .to(device), and common.forward is model(inputs): both also take the dicts and
+            # tuples of tensors that a task of your own may have (docs/your-own-task.md)
             inputs, target = common.to_device(inputs, device), target.to(device)
             loss = common.loss_fn(common.forward(model, inputs), target)
             optimizer.zero_grad()
