@@ -33,7 +33,7 @@ except Exception as e:  # missing, the wrong package, or a release without amp/p
 
 def main():
     args = harness.parse_args(__doc__, "apex")
-    if args.amp != "none":
+    if args.amp != "auto":
         raise common.Fatal("apex_ddp.py sets the precision with --opt-level, not --amp")
     gpus = torch.cuda.device_count()
     standin = getattr(apex, "STAND_IN", False)  # tests/standin runs apex's calls on CPU
@@ -47,8 +47,10 @@ def main():
         use_apex, why = True, f"apex ({apex.__file__}), amp opt level {args.opt_level}"
     if use_apex and args.compile:  # amp patches torch functions at run time: never tried here
         raise common.Fatal("--compile is untested with apex's amp and DDP; add --native")
-    if not use_apex and args.opt_level != "O0":  # natively, autocast: float16 and a GradScaler
-        # on GPUs, bfloat16 on a CPU with bfloat16 instructions, fp32 on other CPUs (faster)
+    # The opt level decides. Natively O0 is fp32 and O1-O3 autocast: float16 with a GradScaler
+    # on GPUs, bfloat16 on a CPU with bfloat16 instructions, fp32 on other CPUs (faster).
+    args.amp = "none"
+    if not use_apex and args.opt_level != "O0":
         args.amp = "fp16" if gpus else "bf16" if harness.fast_bf16_cpu() else "none"
     if not use_apex:
         why += f"; opt level {args.opt_level} -> " + {

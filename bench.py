@@ -7,7 +7,7 @@ hit all configurations alike; every ratio comes from this one run. An option giv
 values (or `both`) runs each value side by side, and the report adds the ratio of each to the
 first.
 
-    python bench.py --data-dir ../shared/data                       # the table of docs/speed.md
+    python bench.py --data-dir ../shared/data      # the default against fp32 NCHW (docs/speed.md)
     python bench.py --data-dir ../shared/data --amp none bf16 --reps 5
     python bench.py --data-dir ../shared/data --channels-last both    # NCHW and NHWC side by side
     python bench.py --data-dir ../shared/data --workers 0 2           # data-loading processes
@@ -40,26 +40,28 @@ import harness
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = ("dp_baseline", "spawn_ddp", "torchrun_ddp", "apex_ddp")
 ENV = "+env"  # the row label of a run with the --with-env variables
-BOTH = {"off": [False], "on": [True], "both": [False, True]}
+BOTH = {"off": [False], "on": [True], "both": [False, True], "default": [None]}
 
 
 def command(script, world_size, amp, repo):
     """The real command line of one launch style at one world size and precision (None: not
-    applicable)."""
+    applicable). auto, the scripts' default, is not passed: scripts older than it (--against)
+    then run their own default, fp32."""
+    precision = [] if amp == "auto" else ["--amp", amp]
     if script == "dp_baseline":
-        return [sys.executable, f"{repo}/dp_baseline.py", "--amp", amp] if world_size == 1 else None
+        return [sys.executable, f"{repo}/dp_baseline.py", *precision] if world_size == 1 else None
     if script == "spawn_ddp":
         return [sys.executable, f"{repo}/spawn_ddp.py", "--nproc-per-node", str(world_size),
-                "--amp", amp]
+                *precision]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={world_size}"]
     if script == "torchrun_ddp":
-        return [*torchrun, f"{repo}/torchrun_ddp.py", "--amp", amp]
+        return [*torchrun, f"{repo}/torchrun_ddp.py", *precision]
     # apex_ddp.py picks precision by --opt-level: O0 is fp32; natively O1 is fp16 on GPUs, bf16
     # on a CPU with bf16 instructions and fp32 on other CPUs
     native_o1 = ("fp16" if torch.cuda.is_available() else
                  "bf16" if harness.fast_bf16_cpu() else "none")
-    if amp not in ("none", native_o1):
+    if amp not in ("auto", "none", native_o1):  # auto: O1, which picks as --amp auto does
         return None
     return [*torchrun, f"{repo}/apex_ddp.py", "--opt-level", "O0" if amp == "none" else "O1"]
 
@@ -70,7 +72,12 @@ def run_once(cmd, threads, args, seed, v):
         full = [*cmd, *args.task, "--seed", str(seed), "--epochs", str(args.epochs),
                 "--batch-size", str(v["batch"]), "--lr-scaling", v["rule"],
                 "--log-interval", str(10 ** 9), "--metrics", str(metrics)]
-        full += ["--channels-last"] * v["channels_last"] + ["--compile"] * v["compile"]
+        layout = False if v["baseline"] else v["channels_last"]  # None: the task's default
+        scripts = [f for f in Path(v["repo"]).glob("*.py") if f.name != "bench.py"]
+        if layout is False and not any("--no-channels-last" in f.read_text() for f in scripts):
+            layout = None  # older scripts (--against) had --channels-last alone, off by default
+        full += {True: ["--channels-last"], False: ["--no-channels-last"], None: []}[layout]
+        full += ["--compile"] * v["compile"]
         full += ["--workers", str(v["workers"])] if v["workers"] is not None else []
         full += ["--checkpoint", f"{tmp}/c.pt"] if v["checkpoint"] else []
         env = dict(os.environ, **v["env"], OMP_NUM_THREADS=str(threads))  # alike for all
@@ -129,12 +136,14 @@ def main():
     for rep in range(args.reps):  # interleaved: rep 1 of every configuration, then rep 2, ...
         for s, v, n in configs:
             print(f"rep {rep + 1}/{args.reps}: {name(s, v)} x{n}", file=sys.stderr, flush=True)
-            cmd = command(s, n, variants[v]["amp"], variants[v]["repo"])
+            amp = "none" if variants[v]["baseline"] else variants[v]["amp"]
+            cmd = command(s, n, amp, variants[v]["repo"])
             results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, variants[v]))
     print(f"\nMachine: {machine()}")
     print(f"Work: task flags '{' '.join(args.task)}', {args.epochs} epoch(s), global "
           f"batch {' '.join(map(str, args.batch_size))}, --lr-scaling "
           f"{' '.join(args.lr_scaling)}, --amp {' '.join(args.amp)}, --channels-last {args.channels_last}, "
+          f"{'fp32-nchw: --amp none --no-channels-last, ' if args.baseline == 'on' else ''}"
           f"--compile {args.compile}, --workers {' '.join(map(str, args.workers or ['default']))}, "
           f"--checkpoint {args.checkpoint}, {args.reps} seed(s) per row; median (min-max)"
           + (f"; {ENV}: {args.with_env}" if args.with_env else "")
@@ -163,10 +172,15 @@ def parse_args():
                    "(default: test_acc>=99)")
     p.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=list(SCRIPTS))
     p.add_argument("--world-sizes", nargs="+", type=harness.positive_int, default=[1, 2])
-    p.add_argument("--amp", nargs="+", choices=["none", "bf16", "fp16"], default=["none"],
-                   help="precision(s); several run side by side (default: none)")
-    p.add_argument("--channels-last", choices=["off", "on", "both"], default="off",
-                   help="run with --channels-last: off, on, or both side by side (default: off)")
+    p.add_argument("--amp", nargs="+", choices=["auto", "none", "bf16", "fp16"], default=["auto"],
+                   help="precision(s); several run side by side (default: auto)")
+    p.add_argument("--channels-last", choices=["default", "off", "on", "both"], default="default",
+                   help="--channels-last or --no-channels-last: off, on, both side by side, or "
+                   "default, the task's own (MNIST's: on) (default: default)")
+    p.add_argument("--baseline", choices=["on", "off"], help="also run every configuration "
+                   "with --amp none --no-channels-last, fp32 in NCHW, the scripts' default before "
+                   "--amp auto, side by side (rows marked fp32-nchw) (default: on when --amp and "
+                   "--channels-last are left at their defaults and no other option is compared)")
     p.add_argument("--compile", choices=["off", "on", "both"], default="off",
                    help="run with --compile: off, on, or both side by side; the first epoch "
                    "includes the compilation, so give --epochs 2 or more (default: off)")
@@ -193,6 +207,11 @@ def parse_args():
     p.add_argument("--png", metavar="PATH", help="also save a chart of the epoch times (needs "
                    "matplotlib)")
     args, args.task = p.parse_known_args()  # the rest: the task's flags, for every script
+    if args.baseline is None:  # on for the plain table, off where another option is compared
+        others = [args.batch_size, args.lr_scaling, args.workers or [0]]
+        args.baseline = "on" if args.amp == ["auto"] and args.channels_last == "default" and all(
+            len(o) == 1 for o in others) and "both" not in (args.compile, args.checkpoint) \
+            and not (args.with_env or args.against) else "off"
     if args.png:
         try:
             import matplotlib  # noqa: F401
@@ -211,6 +230,7 @@ def plan(args):
     """The options (each with its values), the variants (one value of every option, by row
     label) and the configurations (script, variant, processes) that can run."""
     options = {"amp": args.amp, "channels_last": BOTH[args.channels_last],
+               "baseline": [False, True] if args.baseline == "on" else [False],
                "batch": args.batch_size, "rule": args.lr_scaling,
                "compile": BOTH[args.compile], "workers": args.workers or [None],
                "checkpoint": BOTH[args.checkpoint],
@@ -219,9 +239,13 @@ def plan(args):
     variants = {}
     for values in itertools.product(*options.values()):
         v = dict(zip(options, values))
+        if v["baseline"] and (v["amp"], v["channels_last"]) != (args.amp[0], options[
+                "channels_last"][0]):
+            continue  # the baseline sets both: once
         variants[label(v, options)] = v
     configs = [(s, v, n) for v in variants for s in args.scripts for n in args.world_sizes
-               if command(s, n, variants[v]["amp"], ROOT) is not None
+               if command(s, n, "none" if variants[v]["baseline"] else variants[v]["amp"],
+                          ROOT) is not None
                and variants[v]["batch"] % n == 0
                and not (s == "dp_baseline" and variants[v]["compile"])]  # DDP scripts only
     if not configs:
@@ -306,6 +330,7 @@ def print_ratios(results, options, variants, args):
             what, without = {
                 "amp": (f"--amp {variants[v]['amp']}", f"--amp {values[0]}"),
                 "channels_last": ("--channels-last", "without"),
+                "baseline": ("fp32-nchw (--amp none --no-channels-last)", "without"),
                 "workers": (f"--workers {variants[v]['workers']}", f"--workers {values[0]}"),
                 "checkpoint": ("--checkpoint (the SIGTERM agreement)", "without"),
                 "env": (ENV, "without"), "repo": (f"@{args.against}", "the scripts here"),
@@ -321,9 +346,12 @@ def print_ratios(results, options, variants, args):
 def label(v, options):
     """A variant's row label: the values of the options that have several, in words."""
     several = len(options["batch"]) > 1 or len(options["rule"]) > 1
-    parts = [v["amp"] if len(options["amp"]) > 1 else "",
+    own = not v["baseline"]  # the baseline sets the precision and the layout itself
+    parts = [v["amp"] if len(options["amp"]) > 1 and own else "",
              f"batch {v['batch']} {v['rule']}" if several else "",
-             "+channels_last" if v["channels_last"] else "", "+compile" if v["compile"] else "",
+             "+channels_last" if v["channels_last"] and own else "",
+             "-channels_last" if v["channels_last"] is False and len(options["channels_last"]) > 1
+             and own else "", "" if own else "fp32-nchw", "+compile" if v["compile"] else "",
              f"workers {v['workers']}" if len(options["workers"]) > 1 else "",
              "+checkpoint" if v["checkpoint"] else "", ENV if v["env"] else "",
              f"@{v['repo']}" if v["repo"] != options["repo"][0] else ""]

@@ -30,6 +30,7 @@ def add_task_flags(parser):
                         "downloaded there once if missing (default: ./data)")
     parser.add_argument("--dummy", action="store_true", help="synthetic data with MNIST's "
                         "shapes, no files needed")
+    parser.set_defaults(channels_last=True)  # a convolutional network: NHWC is faster
 
 
 MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
@@ -146,8 +147,7 @@ def peak_lr(args):
 
 
 class Net(nn.Module):
-    """Two conv blocks with BatchNorm (so --sync-bn means something) and a small head:
-    about 99.3% on MNIST after one epoch with the defaults."""
+    """Two conv blocks with BatchNorm (so --sync-bn means something) and a small head."""
 
     def __init__(self):
         super().__init__()

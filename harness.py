@@ -133,11 +133,14 @@ def parse_args(description, launcher, argv=None):
       f"at least {common.MIN_WARMUP_STEPS} steps" + d)
     a("--seed", type=ranged(int, lambda v: 0 <= v < 2 ** 63, "an integer 0 to 2**63-1"),
       default=0, help="seed for weights, shuffling, augmentation and dropout" + d)
-    a("--amp", choices=["none", "bf16", "fp16"], default="none", help="mixed precision: "
-      "torch.autocast with this dtype; fp16 adds a GradScaler" + d)
+    a("--amp", choices=["auto", "none", "bf16", "fp16"], default="auto", help="mixed precision: "
+      "torch.autocast with this dtype, fp16 with a GradScaler; auto: bf16 where the device "
+      "computes it (a GPU from Ampere on; a CPU with AVX512_BF16, AMX or ARM BF16), else none "
+      "(fp32)" + d)
     a("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm (CUDA only)")
-    a("--channels-last", action="store_true", help="the model and 4-D input batches in "
-      "channels_last (NHWC) memory format: faster convolutions on CPU (docs/speed.md)")
+    a("--channels-last", action=argparse.BooleanOptionalAction, default=False, help="the model "
+      "and 4-D input batches in channels_last (NHWC) memory format: faster convolutions "
+      "(docs/speed.md); the task's default (MNIST's: on; --no-channels-last: off)")
     a("--compile", action="store_true", help="torch.compile the DDP-wrapped model")
     a("--checkpoint", metavar="PATH", help="written by one process after every epoch; with it, "
       "a SIGTERM stops every process at the same step and saves there")
@@ -245,6 +248,10 @@ def check_args(args, elastic=False, cuda=None):
             model = common.make_model(args)
         resumable.load_model_state(model, common.load_checkpoint(args.checkpoint)["model"],
                                    args.checkpoint, assign=True)
+    if args.amp == "auto":  # decided once, here, and said
+        args.amp, why = auto_precision(cuda)
+        if notes:
+            print(f"precision: {why} (--amp auto; --amp none: fp32)", flush=True)
     slow = slower_than_fp32(args.amp, cuda)
     if notes and slow:
         say(f"warning: --amp {args.amp} on this {'GPU' if cuda else 'CPU'} is slower than "
@@ -338,11 +345,37 @@ def cpu_features():
     return dict(get()) if get else {}
 
 
-def fast_bf16_cpu():
-    """Whether this CPU computes bfloat16 (AVX512_BF16 or AMX on x86, BF16 on ARM); without it
-    autocast emulates bf16, slower than fp32. Unknown: assume it does."""
+BF16_CPU = {"avx512_bf16": "AVX512_BF16", "amx_bf16": "AMX", "bf16": "BF16", "sve_bf16": "SVE BF16"}
+
+
+def bf16_cpu_features():
+    """The features by which this CPU computes bfloat16 (AVX512_BF16 or AMX on x86, BF16 on
+    ARM); without one, autocast emulates bf16, slower than fp32. None: torch cannot tell."""
     caps = cpu_features()
-    return not caps or any(caps.get(k) for k in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"))
+    return [name for key, name in BF16_CPU.items() if caps.get(key)] if caps else None
+
+
+def fast_bf16_cpu():
+    """Whether this CPU computes bfloat16; unknown: assume it does (no warning for --amp bf16)."""
+    found = bf16_cpu_features()
+    return found is None or bool(found)
+
+
+def auto_precision(cuda):
+    """--amp auto: ("bf16", why) where the device computes bfloat16, else ("none", why)."""
+    if cuda:
+        gpu = torch.cuda.get_device_name()
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return "bf16", f"bf16 autocast, as the {gpu} computes bfloat16"
+        return "none", f"fp32, as the {gpu} has no bfloat16 arithmetic (Ampere and later have)"
+    found = bf16_cpu_features()
+    if found:
+        return "bf16", f"bf16 autocast, as this CPU has {' and '.join(found)}"
+    if found is None:
+        return "none", f"fp32, as torch {torch.__version__} cannot tell whether this CPU has " \
+                       "bfloat16 instructions"
+    return "none", "fp32, as this CPU has no bfloat16 instructions (AVX512_BF16, AMX or ARM " \
+                   "BF16): emulated bf16 would be slower"
 
 
 def slower_than_fp32(amp, cuda):

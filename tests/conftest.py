@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the tests import common.py
 INSTRUMENT = Path(__file__).resolve().parent / "instrument"
 N_TRAIN, N_TEST = 600, 101  # 101 divides by neither 2 nor 3
+NO_BF16 = "avx512_bf16=0,amx_bf16=0,bf16=0,sve_bf16=0"  # a CPU without bfloat16 instructions
 
 
 def write_idx(path, tensor):
@@ -102,8 +103,13 @@ def straight(tiny_mnist, tmp_path_factory):
 def script_env(record=None, block=None, pythonpath=(), gpus=False, **extra):
     """The environment of a script under test: tests/instrument on the path, no instrumentation
     unless asked for, every warning shown. The GPUs are hidden unless `gpus`: the CPU tests
-    run on gloo whatever the machine has (tests marked `cuda` ask for them)."""
+    run on gloo whatever the machine has (tests marked `cuda` ask for them). The scripts
+    believe their CPU has no bfloat16 instructions, so that `--amp auto` (the default) is fp32
+    on every machine: the tests compare fp32 runs, and their results do not depend on the CPU
+    that runs them. A test of the precision itself sets DDP_TEST_CPU_FEATURES ("" for the real
+    CPU)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_TEST_")}
+    env["DDP_TEST_CPU_FEATURES"] = NO_BF16
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*map(str, pythonpath), str(INSTRUMENT),
                                                       env.get("PYTHONPATH")]))
     env["PYTHONWARNINGS"] = "default::DeprecationWarning,default::FutureWarning"  # show all

@@ -49,7 +49,7 @@ def launch(script, nproc, data, *args, amp="none", **kw):
     kw.setdefault("timeout", 300)  # CUDA and NCCL start-up can take tens of seconds
     if script == "apex_ddp.py":
         flags += ["--native", "--opt-level", {"none": "O0", "fp16": "O1"}[amp]]
-    elif amp != "none":
+    else:  # said even for fp32: the default, --amp auto, is bf16 on a GPU that computes it
         flags += ["--amp", amp]
     if script == "spawn_ddp.py":
         return run_script(script, "--nproc-per-node", nproc, *flags, **kw)
@@ -95,10 +95,11 @@ def assert_plain_checkpoint(path, written_on):
     return ckpt
 
 
-def evaluate(data, ckpt, metrics, script="spawn_ddp.py", **env):
-    """--evaluate with one process, without the training flags; returns the correct count."""
+def evaluate(data, ckpt, metrics, *flags, script="spawn_ddp.py", **env):
+    """--evaluate with one process, without the training flags (but `flags`); returns the
+    correct count."""
     extra = ("--nproc-per-node", 1) if script == "spawn_ddp.py" else ()
-    r = run_script(script, "--data-dir", data, *extra, "--evaluate", "--checkpoint", ckpt,
+    r = run_script(script, "--data-dir", data, *extra, *flags, "--evaluate", "--checkpoint", ckpt,
                    "--metrics", metrics, timeout=300, **env)
     [row] = read_metrics(metrics)
     assert row["total"] == N_TEST and row["evaluate"]
@@ -221,7 +222,7 @@ def test_bf16_autocast_needs_no_scaler(script, tiny_mnist, tmp_path):
                                           ("dp_baseline.py", 1)])
 def test_channels_last_on_gpu(script, nproc, tiny_mnist, tmp_path):
     """NHWC weights with fp16: no DDP warning about gradient strides, weights saved as they
-    are, and the checkpoint evaluates the same without the flag."""
+    are, and the checkpoint evaluates the same in NCHW (--no-channels-last)."""
     ckpt, metrics = tmp_path / "c.pt", tmp_path / "m.jsonl"
     r = launch(script, nproc, tiny_mnist, "--channels-last", "--checkpoint", ckpt,
                "--metrics", metrics, amp="fp16")
@@ -229,7 +230,7 @@ def test_channels_last_on_gpu(script, nproc, tiny_mnist, tmp_path):
     [trained] = assert_trained(metrics, 1, nproc)
     w = assert_plain_checkpoint(ckpt, "cuda:0")["model"]["features.4.weight"]  # 16 channels in
     assert w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
-    correct, _ = evaluate(tiny_mnist, ckpt, tmp_path / "eval.jsonl")
+    correct, _ = evaluate(tiny_mnist, ckpt, tmp_path / "eval.jsonl", "--no-channels-last")
     assert correct == trained["correct"]
 
 
@@ -441,3 +442,13 @@ def test_a_rank_that_fails_alone_ends_the_others_at_once_on_nccl(tiny_mnist, tmp
                tmp_path / "c.pt", check=False, DDP_TEST_FAIL_SAVE=2)
     assert time.monotonic() - start < 150, r.stderr
     assert "could not write the checkpoint" in r.stderr and r.returncode != 0, r.stderr
+
+
+def test_amp_auto_is_bf16_where_the_gpu_computes_it_and_fp32_elsewhere(tiny_mnist, tmp_path):
+    """The default precision on this GPU, said at start and recorded in the checkpoint."""
+    r = run_script("dp_baseline.py", "--data-dir", tiny_mnist, "--epochs", 1, "--checkpoint",
+                   tmp_path / "c.pt", timeout=300)
+    fast, name = torch.cuda.is_bf16_supported(including_emulation=False), torch.cuda.get_device_name()
+    said = f"bf16 autocast, as the {name} computes" if fast else f"fp32, as the {name} has no"
+    assert f"precision: {said}" in r.stdout, r.stdout
+    assert load_on_cpu(tmp_path / "c.pt")["args"]["amp"] == ("bf16" if fast else "none")

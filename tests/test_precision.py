@@ -1,13 +1,20 @@
 """Precision that fits the CPU: bfloat16 autocast only pays on a CPU with bf16 instructions
 (AVX512_BF16 or AMX on x86, BF16 on ARM); elsewhere it is emulated and slower than fp32.
+`--amp auto`, the default, picks bf16 where it pays and fp32 elsewhere, and says which.
 The tests decide which CPU the scripts believe they run on (tests/instrument fakes what
 torch.cpu.get_capabilities reports), so they do not depend on the machine running them."""
 import pytest
 
-from conftest import load, run_mains, run_script
+from conftest import NO_BF16, load, run_mains, run_script
 
-NO_BF16 = "avx512_bf16=0,amx_bf16=0,bf16=0,sve_bf16=0"
 BF16 = "avx512_bf16=1,amx_bf16=1"
+AUTO = [  # what the CPU has (all four features given): what --amp auto says it picks
+    ("avx512_bf16=1,amx_bf16=0,bf16=0,sve_bf16=0", "bf16 autocast, as this CPU has AVX512_BF16"),
+    ("avx512_bf16=0,amx_bf16=1,bf16=0,sve_bf16=0", "bf16 autocast, as this CPU has AMX"),
+    ("avx512_bf16=0,amx_bf16=0,bf16=1,sve_bf16=0", "bf16 autocast, as this CPU has BF16"),  # ARM
+    (NO_BF16, "fp32, as this CPU has no bfloat16 instructions (AVX512_BF16, AMX or ARM BF16)"),
+    ("unknown", "fp32, as torch "),  # a torch that cannot tell (2.4)
+]
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 
 
@@ -40,6 +47,26 @@ def test_amp_bf16_warns_only_without_bf16_instructions(script):
                            "bfloat16 instructions")
     assert not with_["stderr"].strip()
     assert fp16["stderr"].startswith("warning: --amp fp16 on this CPU is slower than fp32")
+
+
+@pytest.mark.parametrize("script", ["dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py"])
+def test_amp_auto_picks_bf16_only_where_the_cpu_computes_it(script):
+    results = run(script, *[([], features) for features, _ in AUTO])
+    for (features, said), r in zip(AUTO, results):
+        assert r["started"] and not r["stderr"].strip(), (features, r["stderr"])  # no warning
+        [line] = [ln for ln in r["stdout"].splitlines() if ln.startswith("precision: ")]
+        assert line.startswith(f"precision: {said}") and line.endswith(
+            "(--amp auto; --amp none: fp32)"), (features, line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("features,amp", [(NO_BF16, "none"), (BF16, "bf16")])
+def test_amp_auto_trains_in_the_precision_it_picked(tiny_mnist, tmp_path, features, amp):
+    """spawn_ddp.py's launcher decides, its processes train so: the checkpoint records it."""
+    r = run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 64, "--checkpoint",
+                   tmp_path / "c.pt", DDP_TEST_CPU_FEATURES=features)
+    assert sum(ln.startswith("precision: ") for ln in r.stdout.splitlines()) == 1, r.stdout
+    assert load(tmp_path / "c.pt")["args"]["amp"] == amp
 
 
 @pytest.mark.slow

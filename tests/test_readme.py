@@ -50,7 +50,8 @@ def test_flags_table_matches_every_parser():
                 assert flag in table, f"{script} {flag} is not in docs/flags.md's table"
                 cell, scripts = table[flag]
                 assert script in scripts, f"docs/flags.md: {flag} not marked for {script}"
-                expected = ("-" if default is None else str(default)) if takes_value else "off"
+                expected = ("-" if default is None else str(default)) if takes_value else \
+                    "on" if default else "off"
                 assert cell == expected, f"docs/flags.md: {flag} default {cell!r}, {script}: {expected!r}"
                 seen.add((flag, script))
     for flag, (_, scripts) in table.items():

@@ -19,6 +19,7 @@ changes none of their results:
   DDP_TEST_CPU_FEATURES=avx512_bf16=0,amx_bf16=1,...
                         torch.cpu.get_capabilities() reports these features as given (read at
                         each call), so a test decides what CPU the scripts believe they run on
+                        ("unknown": it reports nothing, as where torch cannot tell)
   DDP_TEST_NOT_LINUX=1  a stand-in for macOS and Windows: os.sched_getaffinity and
                         os.sched_setaffinity are gone and /proc cannot be read
   DDP_TEST_NO_STOP=1    resumable.StopSignal never stops the run and runs no all-reduce: the
@@ -88,9 +89,11 @@ if os.environ.get("DDP_TEST_SLOW_SAVE"):
 
 if "DDP_TEST_CPU_FEATURES" in os.environ:
     import torch
-    _real_capabilities = torch.cpu.get_capabilities
+    _real_capabilities = getattr(torch.cpu, "get_capabilities", dict)  # torch 2.4 has none
 
     def _capabilities():
+        if os.environ.get("DDP_TEST_CPU_FEATURES") == "unknown":
+            return {}  # what the scripts see where torch cannot tell (2.4: no such function)
         caps = dict(_real_capabilities())
         for item in filter(None, os.environ.get("DDP_TEST_CPU_FEATURES", "").split(",")):
             name, value = item.split("=")
