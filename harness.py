@@ -199,11 +199,13 @@ def check_args(args, elastic=False, cuda=None):
     nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
     local = getattr(args, "nproc_per_node", 1)
     world_size, notes = nnodes * local, True
+    gpu = (getattr(args, "gpus", None) or [0])[0]  # the GPU this process, or its first, uses
     if elastic:  # torchrun's environment; without one, one process
         local, world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get(
             "WORLD_SIZE", 1))
         node_rank = int(os.environ.get("GROUP_RANK", 0))  # its node 0 holds global rank 0
-        notes = int(os.environ.get("LOCAL_RANK", args.local_rank)) == 0
+        gpu = int(os.environ.get("LOCAL_RANK", args.local_rank))
+        notes = gpu == 0
     if gpus and local > gpus:  # two processes on one GPU: NCCL refuses, or they fight
         raise Fatal(f"--nproc-per-node {local} but this machine has {gpus} GPU(s)")
     if dp and (args.sync_bn or args.compile):
@@ -249,7 +251,7 @@ def check_args(args, elastic=False, cuda=None):
         resumable.load_model_state(model, common.load_checkpoint(args.checkpoint)["model"],
                                    args.checkpoint, assign=True)
     if args.amp == "auto":  # decided once, here, and said
-        args.amp, why = auto_precision(cuda)
+        args.amp, why = auto_precision(gpu if cuda else None)
         if notes:
             print(f"precision: {why} (--amp auto; --amp none: fp32)", flush=True)
     slow = slower_than_fp32(args.amp, cuda)
@@ -361,13 +363,15 @@ def fast_bf16_cpu():
     return found is None or bool(found)
 
 
-def auto_precision(cuda):
-    """--amp auto: ("bf16", why) where the device computes bfloat16, else ("none", why)."""
-    if cuda:
-        gpu = torch.cuda.get_device_name()
-        if torch.cuda.is_bf16_supported(including_emulation=False):
-            return "bf16", f"bf16 autocast, as the {gpu} computes bfloat16"
-        return "none", f"fp32, as the {gpu} has no bfloat16 arithmetic (Ampere and later have)"
+def auto_precision(gpu):
+    """--amp auto: ("bf16", why) where the device computes bfloat16, else ("none", why). `gpu`:
+    the index of the GPU it trains on (asked by index: no query of the current device, GPU 0),
+    or None for the CPU."""
+    if gpu is not None:
+        name = torch.cuda.get_device_name(gpu)
+        if torch.cuda.get_device_capability(gpu) >= (8, 0):  # Ampere
+            return "bf16", f"bf16 autocast, as the {name} computes bfloat16"
+        return "none", f"fp32, as the {name} has no bfloat16 arithmetic (Ampere and later have)"
     found = bf16_cpu_features()
     if found:
         return "bf16", f"bf16 autocast, as this CPU has {' and '.join(found)}"
