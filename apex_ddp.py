@@ -57,7 +57,7 @@ def main():
             "none": "fp32", "bf16": "autocast bfloat16", "fp16": "autocast float16 + GradScaler"
         }[args.amp]
         if args.opt_level != "O0" and args.amp == "none":
-            why += f" (bfloat16 would be slower on this CPU: {harness.slower_than_fp32('bf16', 0)})"
+            why += f" (bfloat16 would be slower on this CPU: {harness.slower_than_fp32('bf16', None)})"
     harness.check_args(args, elastic=True, cuda=gpus > 0 or (use_apex and standin))
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
     if not use_apex:

@@ -20,6 +20,7 @@ first.
 Flags that bench.py does not know (the task's: --data-dir, --dummy, ...) go to every script.
 """
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -43,10 +44,11 @@ ENV = "+env"  # the row label of a run with the --with-env variables
 BOTH = {"off": [False], "on": [True], "both": [False, True], "default": [None]}
 
 
-def command(script, world_size, amp, repo):
-    """The real command line of one launch style at one world size and precision (None: not
+def command(script, world_size, v):
+    """The real command line of one launch style at one world size for variant `v` (None: not
     applicable). auto, the scripts' default, is not passed: scripts older than it (--against)
     then run their own default, fp32."""
+    amp, repo = "none" if v["baseline"] else v["amp"], v["repo"]
     precision = [] if amp == "auto" else ["--amp", amp]
     if script == "dp_baseline":
         return [sys.executable, f"{repo}/dp_baseline.py", *precision] if world_size == 1 else None
@@ -73,8 +75,7 @@ def run_once(cmd, threads, args, seed, v):
                 "--batch-size", str(v["batch"]), "--lr-scaling", v["rule"],
                 "--log-interval", str(10 ** 9), "--metrics", str(metrics)]
         layout = False if v["baseline"] else v["channels_last"]  # None: the task's default
-        scripts = [f for f in Path(v["repo"]).glob("*.py") if f.name != "bench.py"]
-        if layout is False and not any("--no-channels-last" in f.read_text() for f in scripts):
+        if layout is False and not knows_no_channels_last(v["repo"]):
             layout = None  # older scripts (--against) had --channels-last alone, off by default
         full += {True: ["--channels-last"], False: ["--no-channels-last"], None: []}[layout]
         full += ["--compile"] * v["compile"]
@@ -108,6 +109,13 @@ def run_once(cmd, threads, args, seed, v):
             "data_wait": statistics.mean(r["data_wait"] for r in rows)}
 
 
+@functools.cache
+def knows_no_channels_last(repo):
+    """Whether the scripts in `repo` have --no-channels-last (older ones do not)."""
+    return any("--no-channels-last" in f.read_text() for f in Path(repo).glob("*.py")
+               if f.name != "bench.py")
+
+
 def spread(values, fmt="{:.1f}"):
     """median (min-max) of the values that exist."""
     values = [v for v in values if v is not None]
@@ -136,8 +144,7 @@ def main():
     for rep in range(args.reps):  # interleaved: rep 1 of every configuration, then rep 2, ...
         for s, v, n in configs:
             print(f"rep {rep + 1}/{args.reps}: {name(s, v)} x{n}", file=sys.stderr, flush=True)
-            amp = "none" if variants[v]["baseline"] else variants[v]["amp"]
-            cmd = command(s, n, amp, variants[v]["repo"])
+            cmd = command(s, n, variants[v])
             results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, variants[v]))
     print(f"\nMachine: {machine()}")
     print(f"Work: task flags '{' '.join(args.task)}', {args.epochs} epoch(s), global "
@@ -244,8 +251,7 @@ def plan(args):
             continue  # the baseline sets both: once
         variants[label(v, options)] = v
     configs = [(s, v, n) for v in variants for s in args.scripts for n in args.world_sizes
-               if command(s, n, "none" if variants[v]["baseline"] else variants[v]["amp"],
-                          ROOT) is not None
+               if command(s, n, variants[v]) is not None
                and variants[v]["batch"] % n == 0
                and not (s == "dp_baseline" and variants[v]["compile"])]  # DDP scripts only
     if not configs:

@@ -250,11 +250,12 @@ def check_args(args, elastic=False, cuda=None):
             model = common.make_model(args)
         resumable.load_model_state(model, common.load_checkpoint(args.checkpoint)["model"],
                                    args.checkpoint, assign=True)
+    gpu = gpu if cuda else None  # the device whose precision counts: that GPU, or the CPU
     if args.amp == "auto":  # decided once, here, and said
-        args.amp, why = auto_precision(gpu if cuda else None)
+        args.amp, why = auto_precision(gpu)
         if notes:
             print(f"precision: {why} (--amp auto; --amp none: fp32)", flush=True)
-    slow = slower_than_fp32(args.amp, cuda)
+    slow = slower_than_fp32(args.amp, gpu)
     if notes and slow:
         say(f"warning: --amp {args.amp} on this {'GPU' if cuda else 'CPU'} is slower than "
             f"fp32: {slow}")
@@ -363,13 +364,18 @@ def fast_bf16_cpu():
     return found is None or bool(found)
 
 
+def gpu_computes_bf16(gpu):
+    """Whether GPU number `gpu` has bfloat16 arithmetic (compute capability 8.0, Ampere, or
+    later), asked by index: not a query of the current device, GPU 0 before set_device."""
+    return torch.cuda.get_device_capability(gpu) >= (8, 0)
+
+
 def auto_precision(gpu):
     """--amp auto: ("bf16", why) where the device computes bfloat16, else ("none", why). `gpu`:
-    the index of the GPU it trains on (asked by index: no query of the current device, GPU 0),
-    or None for the CPU."""
+    the index of the GPU it trains on, or None for the CPU."""
     if gpu is not None:
         name = torch.cuda.get_device_name(gpu)
-        if torch.cuda.get_device_capability(gpu) >= (8, 0):  # Ampere
+        if gpu_computes_bf16(gpu):
             return "bf16", f"bf16 autocast, as the {name} computes bfloat16"
         return "none", f"fp32, as the {name} has no bfloat16 arithmetic (Ampere and later have)"
     found = bf16_cpu_features()
@@ -382,14 +388,14 @@ def auto_precision(gpu):
                    "BF16): emulated bf16 would be slower"
 
 
-def slower_than_fp32(amp, cuda):
-    """Why --amp `amp` runs slower than fp32 on this device, or None."""
-    if amp == "bf16" and cuda and not torch.cuda.is_bf16_supported(including_emulation=False):
-        return (f"{torch.cuda.get_device_name()} has no bfloat16 arithmetic (compute capability "
-                "8.0, Ampere, or later) and emulates it; use fp16")
-    if amp == "fp16" and not cuda:
+def slower_than_fp32(amp, gpu):
+    """Why --amp `amp` runs slower than fp32 on GPU number `gpu` (None: the CPU), or None."""
+    if amp == "bf16" and gpu is not None and not gpu_computes_bf16(gpu):
+        return (f"{torch.cuda.get_device_name(gpu)} has no bfloat16 arithmetic (compute "
+                "capability 8.0, Ampere, or later) and emulates it; use fp16")
+    if amp == "fp16" and gpu is None:
         return "float16 autocast on a CPU ran many times slower than fp32 (docs/training.md)"
-    if amp == "bf16" and not cuda and not fast_bf16_cpu():
+    if amp == "bf16" and gpu is None and not fast_bf16_cpu():
         return "it has no bfloat16 instructions (AVX512_BF16, AMX or ARM BF16), so bf16 is emulated"
     return None
 
