@@ -48,16 +48,15 @@ def main():
     if use_apex and args.compile:  # amp patches torch functions at run time: never tried here
         raise common.Fatal("--compile is untested with apex's amp and DDP; add --native")
     # The opt level decides. Natively O0 is fp32 and O1-O3 autocast: float16 with a GradScaler
-    # on GPUs, bfloat16 on a CPU with bfloat16 instructions, fp32 on other CPUs (faster).
+    # on GPUs; on CPUs --amp auto's rule, bfloat16 if every CPU of the job computes it, else
+    # fp32 (faster there), decided by the job together and said.
     args.amp = "none"
     if not use_apex and args.opt_level != "O0":
-        args.amp = "fp16" if gpus else "bf16" if harness.fast_bf16_cpu() else "none"
+        args.amp = "fp16" if gpus else "auto"
     if not use_apex:
         why += f"; opt level {args.opt_level} -> " + {
-            "none": "fp32", "bf16": "autocast bfloat16", "fp16": "autocast float16 + GradScaler"
-        }[args.amp]
-        if args.opt_level != "O0" and args.amp == "none":
-            why += f" (bfloat16 would be slower on this CPU: {harness.slower_than_fp32('bf16', None)})"
+            "none": "fp32", "auto": "autocast bfloat16 where every CPU of the job computes it, "
+            "else fp32", "fp16": "autocast float16 + GradScaler"}[args.amp]
     harness.check_args(args, elastic=True, cuda=gpus > 0 or (use_apex and standin))
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
     if not use_apex:
@@ -119,7 +118,7 @@ def train(local_rank, args, why):
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # amp keeps the loss scale
     # Elastic: a group that torchrun (re)starts continues from the snapshot, if any has one.
     wish = resumable.RESUME if args.resume or args.evaluate else resumable.RESUME_IF_FOUND
-    ckpt = resumable.agreed_checkpoint(args.checkpoint, wish, device, report.log)
+    ckpt = resumable.agreed_checkpoint(args, wish, device, report.log)  # refuses another run's
     if ckpt and "amp" in ckpt:  # after amp.initialize, as apex documents
         amp.load_state_dict(ckpt["amp"])
     epoch, step = resumable.restore(ckpt, model, optimizer, scheduler, scaler, args.checkpoint,

@@ -200,7 +200,8 @@ def parse_args():
                    "scripts; several values run side by side (default: the scripts' own)")
     p.add_argument("--checkpoint", choices=["off", "on", "both"], default="off",
                    help="run with --checkpoint (a file in a temporary folder), which also turns "
-                   "on the SIGTERM agreement (every 10 steps): off, on, or both side by side (default: off)")
+                   "on the SIGTERM agreement (about once a second): off, on, or both side by side "
+                   "(default: off)")
     p.add_argument("--against", metavar="DIR", help="also run every configuration with the "
                    "scripts in DIR (e.g. a git worktree of another commit), side by side (rows "
                    "marked @DIR)")

@@ -46,9 +46,10 @@ def train(args):
     optimizer = common.make_optimizer(model, args)
     steps = len(loader)  # per epoch
     scheduler = common.make_scheduler(optimizer, args, steps)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     wish = resumable.RESUME if args.resume or args.evaluate else resumable.NO_RESUME
-    ckpt = resumable.agreed_checkpoint(args.checkpoint, wish, device, report.log)
+    ckpt = resumable.agreed_checkpoint(args, wish, device, report.log)  # refuses another run's
+    harness.settle_precision(args, ckpt, device, report.log)  # --amp auto: one for the whole job
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     epoch, step = resumable.restore(ckpt, model, optimizer, scheduler, scaler, args.checkpoint,
                                     report.log)
     net = nn.DataParallel(model, args.gpus) if len(args.gpus) > 1 else model  # docs/training.md

@@ -13,6 +13,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -52,35 +53,53 @@ def say(line):
 
 @contextlib.contextmanager
 def clean_exit(who=""):
-    """Expected endings as one line on stderr: exit code 2 for bad input, 1 for a lost peer, 130
-    for Ctrl-C, 143 after a SIGTERM. A process that leaves on an error of its own destroys its
-    process group first, so that the others fail at once instead of waiting out --timeout (on
-    NCCL). The exit comes outside the `except`, once the failed frames are released."""
+    """Every ending as one line on stderr: exit code 2 for bad input, 1 for a lost peer or an
+    error in the code (a bug in the task, CUDA out of memory), whose frames follow its line, 130
+    for Ctrl-C, 143 after a SIGTERM. A process that leaves on an error of its own leaves its
+    process group first (`leave_group`), so that the others fail at once instead of waiting
+    out --timeout. The exit comes outside the `except`, once the failed frames are released."""
     code = None
     try:
         yield
     except Fatal as e:
-        say(f"{who}error: {e}")
+        if str(e):  # (empty: another process of the job says it)
+            say(f"{who}error: {e}")
         code = e.code
     except Preempted as e:
         if str(e):
             say(f"{who}preempted: {e}")
         code = PREEMPTED
-    except (dist.DistError, RuntimeError) as e:  # a peer died, never came, or the port is taken
-        if not isinstance(e, dist.DistError) and not any(m in str(e) for m in GLOO_LOST_PEER):
-            raise  # gloo reports a lost peer as RuntimeError; any other one is a real bug
-        line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        line = re.sub(r"^\[\S+\] ", "", line.strip())  # without gloo's "[source.cc:123] "
-        say(f"{who}error: distributed: {line[:300]}")
-        sys.stdout.flush()  # the group is broken: no teardown, in which gloo's threads can abort
-        os._exit(1)
     except KeyboardInterrupt:
         say(f"{who}interrupted")
         code = 130
+    except Exception as e:
+        if isinstance(e, dist.DistError) or (  # a peer died or never came, a port is taken;
+                isinstance(e, RuntimeError) and any(m in str(e) for m in GLOO_LOST_PEER)):
+            line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            line = re.sub(r"^\[\S+\] ", "", line.strip())  # without gloo's "[source.cc:123] "
+            say(f"{who}error: distributed: {line[:300]}")  # (gloo: a plain RuntimeError)
+            sys.stdout.flush()  # the group is broken: no teardown, where gloo's threads can abort
+            os._exit(1)
+        first = next((ln for ln in str(e).splitlines() if ln.strip()), "").strip()
+        frames = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)[1:]))
+        say(f"{who}error: {type(e).__name__}{': ' * bool(first)}{first[:300]}\n{frames.rstrip()}")
+        code = 1
     if code is not None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group()
         sys.exit(code)
+
+
+def leave_group():
+    """Leaves the process group at once. gloo's is destroyed: its connections close, and the
+    others' collectives fail. NCCL's is aborted where torch can (2.6 on: its destroy waits for
+    the others' work to finish, which a failed process never will; 2.4's destroy aborts)."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort and dist.get_backend() != "gloo":
+        abort()
+    else:
+        dist.destroy_process_group()
 
 
 # ---- The command line: one definition, so that a flag means the same in every script; each
@@ -248,14 +267,12 @@ def check_args(args, elastic=False, cuda=None):
         # a bad checkpoint fails here once, not in every process (torchrun's each check theirs)
         with torch.device("meta"):  # shapes only: no memory for the model, no data read
             model = common.make_model(args)
-        resumable.load_model_state(model, common.load_checkpoint(args.checkpoint)["model"],
-                                   args.checkpoint, assign=True)
+        ckpt = common.load_checkpoint(args.checkpoint)
+        resumable.load_model_state(model, ckpt["model"], args.checkpoint, assign=True)
+        if not args.evaluate:  # another run's checkpoint, refused before any process starts
+            resumable.check_same_run(args, ckpt, args.checkpoint)
     gpu = gpu if cuda else None  # the device whose precision counts: that GPU, or the CPU
-    if args.amp == "auto":  # decided once, here, and said
-        args.amp, why = auto_precision(gpu)
-        if notes:
-            print(f"precision: {why} (--amp auto; --amp none: fp32)", flush=True)
-    slow = slower_than_fp32(args.amp, gpu)
+    slow = slower_than_fp32(args.amp, gpu)  # --amp auto: settle_precision, once the job met
     if notes and slow:
         say(f"warning: --amp {args.amp} on this {'GPU' if cuda else 'CPU'} is slower than "
             f"fp32: {slow}")
@@ -388,6 +405,39 @@ def auto_precision(gpu):
                    "BF16): emulated bf16 would be slower"
 
 
+def settle_precision(args, ckpt, device, log=print):
+    """--amp auto, decided once for the whole job, after the process group formed, and said
+    once: a resumed run keeps the precision it was trained in (the checkpoint's); a new one is
+    bf16 only if every process's device computes bfloat16, else fp32. (Each deciding alone, the
+    ranks of one job on GPUs of two generations would train in two precisions.)"""
+    if args.amp != "auto" or args.evaluate:
+        return
+    gpu = device.index if device.type == "cuda" else None
+    if ckpt:
+        args.amp = ckpt["args"].get("amp", "none")
+        log(f"precision: {PRECISION[args.amp]}, the precision the checkpoint was trained in "
+            "(--amp auto)")
+        slow = slower_than_fp32(args.amp, gpu)
+        if slow:
+            say(f"warning: --amp {args.amp} on this {'GPU' if gpu is not None else 'CPU'} is "
+                f"slower than fp32: {slow}")
+        return
+    args.amp, why = auto_precision(gpu)
+    if dist.is_initialized():  # the least capable device decides
+        mine = torch.tensor([args.amp == "bf16"], dtype=torch.uint8, device=device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        common.recent.extend([mine, *every])
+        dist.all_gather(every, mine)
+        lacking = [str(r) for r, t in enumerate(every) if not t.item()]
+        if lacking and args.amp == "bf16":
+            args.amp, why = "none", f"fp32, as the device of rank(s) {', '.join(lacking)} " \
+                                    "has no bfloat16 arithmetic and all train in one precision"
+    log(f"precision: {why} (--amp auto; --amp none: fp32)")
+
+
+PRECISION = {"bf16": "bf16 autocast", "fp16": "fp16 autocast with a GradScaler", "none": "fp32"}
+
+
 def slower_than_fp32(amp, gpu):
     """Why --amp `amp` runs slower than fp32 on GPU number `gpu` (None: the CPU), or None."""
     if amp == "bf16" and gpu is not None and not gpu_computes_bf16(gpu):
@@ -418,13 +468,11 @@ def spawn_store(args, store_file, rank):
     """Where spawn_ddp.py's processes meet. One machine: a file in the launcher's private folder
     (no port). Several, or --master-port: a TCP store that rank 0 hosts on node 0 (on every
     interface: docs/security.md), in which the nodes first check that all run as many processes.
-    --join-timeout bounds the wait for a process that never comes; collectives wait --timeout."""
+    Then all meet (`meet`)."""
     nproc, join = args.nproc_per_node, timedelta(seconds=args.join_timeout)
     if args.master_port is None:
         on_loopback()
-        store = dist.FileStore(store_file, args.nnodes * nproc)
-        store.set_timeout(join)
-        return store
+        return meet(dist.FileStore(store_file, args.nnodes * nproc), rank, nproc, args)
     store = dist.TCPStore(args.master_addr or "127.0.0.1", args.master_port, is_master=rank == 0,
                           timeout=join)
     store.set(f"nproc/{args.node_rank}", str(nproc))
@@ -437,20 +485,39 @@ def spawn_store(args, store_file, rank):
             time.sleep(0.05)
         raise Fatal(f"every node must run the same --nproc-per-node; nodes 0..{args.nnodes - 1} "
                     f"run {', '.join(map(str, counts))}")
-    return store
+    return meet(store, rank, args.nnodes * nproc, args)
 
 
 def torchrun_store(args, world_size, nproc):
     """The store that init_process_group would make from torchrun's environment (MASTER_ADDR,
     MASTER_PORT), with its keys prefixed with the restart count, because the agent's store still
-    holds a dead round's addresses, which gloo may connect to (pytorch/pytorch#167288), and a
-    wait of --join-timeout for a process that never comes. Without torchrun: one in memory."""
+    holds a dead round's addresses, which gloo may connect to (pytorch/pytorch#167288), and the
+    meeting (`meet`). Without torchrun: one in memory."""
     if nproc == world_size:
         on_loopback()
     if "RANK" not in os.environ:
         return dist.HashStore()
-    store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))
-    return dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
+    store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))
+    store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
+    return meet(store, rank, world_size, args)
+
+
+def meet(store, rank, world_size, args):
+    """Every process checks in at the store and waits for all: --join-timeout bounds the wait for
+    one that never comes, and names it. Then the store waits --timeout, as the collectives do.
+    init_process_group keeps the timeout of a store it is given (only its init_method path sets
+    it), and NCCL fetches its unique id through that store inside the call: a node still
+    preparing its data would otherwise fail the start-up after --join-timeout."""
+    store.set_timeout(timedelta(seconds=args.join_timeout))
+    store.set(f"met/{rank}", "")
+    try:
+        store.wait([f"met/{r}" for r in range(world_size)])
+    except dist.DistError:
+        missing = [str(r) for r in range(world_size) if not store.check([f"met/{r}"])]
+        raise dist.DistStoreError(f"rank(s) {', '.join(missing) or '?'} did not come within "
+                                  f"--join-timeout {args.join_timeout:g} s") from None
+    store.set_timeout(timedelta(seconds=args.timeout))
+    return store
 
 
 def worker(local_rank, train, args, private):

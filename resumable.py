@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,21 +27,25 @@ class Preempted(Exception):
     """SIGTERM arrived and the run stopped: exit code 143, and the message, if any, on stderr."""
 
 
-CHECK_EVERY = 10  # steps: how often the processes agree on a stop, the most a stop waits
+AGREE_EVERY = 1.0  # seconds: about how often the processes agree on a stop
 
 
 class StopSignal:
     """SIGTERM, what SLURM, Kubernetes and torchrun send before they kill a job. Without a
     checkpoint it stops the process at once, as Ctrl-C does. With one, the handler sets a flag,
-    and every CHECK_EVERY steps (and before an epoch's last) the processes add up their flags in
-    one all-reduce of one number on the training backend: all stop at the same step, and the
-    snapshot is one model. Keep CHECK_EVERY steps shorter than the scheduler's grace time (30 s
-    by default for SLURM's KillWait and Kubernetes)."""
+    and the processes add up their flags in one all-reduce on the training backend: before an
+    epoch's first and last steps, and about every AGREE_EVERY seconds between them. All stop
+    at the same step, and the snapshot is one model. The same all-reduce carries each process's
+    seconds per step since the last check; the slowest one sets how many steps the next check
+    is away, the same number in every process. So a stop comes within about a second or a step,
+    whichever is longer, however long steps take (a grace time of 30 s, SLURM's KillWait and
+    torchrun's, must hold that and the write), and fast steps pay one small all-reduce a second."""
 
     def __init__(self, checkpoint, device, steps):
         self.received, self.device, self.steps = False, device, steps
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.agree = checkpoint and dist.is_initialized() and dist.get_world_size() > 1
+        self.next, self.last = 0, None  # the step of the next check; (step, time) of the last
         signal.signal(signal.SIGTERM, self._received if checkpoint else self._stop_now)
 
     def _received(self, signum, frame):
@@ -52,12 +57,19 @@ class StopSignal:
 
     def __call__(self, step):
         """Called by every process before every step: True when all are to stop before `step`."""
-        if not self.agree or not (step % CHECK_EVERY == 0 or step == self.steps):
-            return self.received and not self.agree
-        flag = torch.tensor([float(self.received)], device=self.device)
-        common.recent.append(flag)
-        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
-        return flag.item() > 0
+        if not self.agree:
+            return self.received
+        first = self.last is None or step <= self.last[0]  # a new epoch (or a resumed one)
+        if not (first or step >= self.next or step == self.steps):
+            return False
+        per_step = 0.0 if first else (time.perf_counter() - self.last[1]) / (step - self.last[0])
+        both = torch.tensor([float(self.received), per_step], device=self.device)
+        common.recent.append(both)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # anyone's flag; the slowest process's pace
+        received, per_step = both.tolist()
+        self.next = step + (max(1, int(AGREE_EVERY / per_step)) if per_step > 0 else 1)
+        self.last = (step, time.perf_counter())
+        return received > 0
 
     def stopped(self, checkpoint, epoch, step):
         """The exception that ends the run after the snapshot at `step` of `epoch`."""
@@ -68,53 +80,115 @@ class StopSignal:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-# ---- Resuming together ----------------------------------------------------------------------
+# ---- Resuming together, the same run only ------------------------------------------------
 
 NO_RESUME, RESUME_IF_FOUND, RESUME = 0, 1, 2  # what one process asks for
 PIECE = 64 << 20  # the most bytes of a checkpoint sent at once to a process without a copy
+# The flags that do not define a run: where files go, how the job is spread, started and
+# reported, how fast it runs, and what this one invocation does. Every other flag defines it,
+# a task's own too, except a task's flag named --*-dir, --*-path or --*-file (where its data
+# is, not what). docs/preemption.md#one-run-one-checkpoint says why each is where it is.
+NOT_THE_RUN = {"stop_after", "workers", "channels_last", "compile", "checkpoint", "save_every",
+               "resume", "evaluate", "metrics", "log_interval", "save_on_each_node", "timeout",
+               "join_timeout", "nproc_per_node", "nnodes", "node_rank", "master_addr",
+               "master_port", "local_rank", "gpus", "native"}
 
 
-def agreed_checkpoint(path, wish, device, log=print):
+def run_flags(args):
+    """The flags that define the run of `args`, as {dest: value}; --amp auto is the checkpoint's
+    precision when resuming (harness.settle_precision), so it is not compared."""
+    return {k: v for k, v in vars(args).items() if k not in NOT_THE_RUN
+            and not k.endswith(("_dir", "_path", "_file")) and (k, v) != ("amp", "auto")}
+
+
+def check_same_run(args, ckpt, path):
+    """Refuses, in one line, to continue a checkpoint that another run wrote: every flag that
+    defines the run and that both know, with the value in the checkpoint and the value now."""
+    then, now = ckpt.get("args", {}), run_flags(args)
+    differ = [differs(k, then[k], v) for k, v in sorted(now.items()) if k in then and then[k] != v]
+    if differ:
+        raise Fatal(f"{path} is the checkpoint of another run: {'; '.join(differ)}. Give its "
+                    "flags to continue it, or another --checkpoint to start a new run")
+
+
+def differs(dest, then, now):
+    """"--batch-size 256 in the checkpoint, 128 now"; "--dummy now, not in the checkpoint"."""
+    flag = "--" + dest.replace("_", "-")
+    if isinstance(then, bool) or isinstance(now, bool):
+        return f"{flag} {'in the checkpoint, not now' if then else 'now, not in the checkpoint'}"
+    return f"{flag} {then if then is not None else '(not given)'} in the checkpoint, " \
+           f"{now if now is not None else '(not given)'} now"
+
+
+def agreed_checkpoint(args, wish, device, log=print):
     """The checkpoint every process resumes from, or None, decided by all together: each says
-    what it asks for and which snapshot it sees (nodes may have disks of their own). They resume
-    if any asks to and any has a snapshot, all from the newest; a process without it (a node
-    that joins with an empty disk) or with an older one receives the file from the first rank
-    that has it. So no process runs other collectives than the rest."""
+    what it asks for, which snapshot it sees (nodes may have disks of their own), its node and
+    the run its flags define. They resume if any asks to and any has a snapshot, all from the
+    newest; processes without it (a node that joins with an empty disk) or with an older one
+    receive the file from the first rank that has it, one copy per node. So no process runs
+    other collectives than the rest. A checkpoint of another run, or processes started with
+    different flags, are refused before anything is written; --evaluate compares nothing."""
+    path = args.checkpoint
     ckpt = common.load_checkpoint(path) if wish and path and os.path.exists(path) else None
-    everyone = [(wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)))]
+    node = int(os.environ.get("GROUP_RANK", getattr(args, "node_rank", 0)))  # torchrun's, spawn's
+    run = mix(*sorted(run_flags(args).items()))
+    everyone = [(wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)), node, run)]
     if dist.is_initialized():
         mine = torch.tensor(everyone[0], device=device)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         common.recent.extend([mine, *gathered])
         dist.all_gather(gathered, mine)
         everyone = [tuple(t.tolist()) for t in gathered]
-    wish, newest = max(e[0] for e in everyone), max(e[1:] for e in everyone)
+    # A refusal is said once per node, by its first process; the others end quietly.
+    says = dist.get_rank() == next(r for r, e in enumerate(everyone) if e[3] == node) \
+        if dist.is_initialized() else True
+    other = [r for r, e in enumerate(everyone) if e[4] != everyone[0][4]]
+    if other:
+        raise Fatal(f"the processes of rank(s) {', '.join(map(str, other))} were started with "
+                    "other flags than rank 0's; give every node the same command" * says)
+    wish, newest = max(e[0] for e in everyone), max(e[1:3] for e in everyone)
     if wish == NO_RESUME or (newest == (-1, -1) and wish == RESUME_IF_FOUND):
         return None
     if newest == (-1, -1):
         raise Fatal(f"no checkpoint at {path}" + " on any node" * (len(everyone) > 1))
-    behind = [r for r, e in enumerate(everyone) if e[1:] != newest]
+    behind = [r for r, e in enumerate(everyone) if e[1:3] != newest]
     if behind:
-        source = next(r for r, e in enumerate(everyone) if e[1:] == newest)
+        source = next(r for r, e in enumerate(everyone) if e[1:3] == newest)
         log(f"rank(s) {', '.join(map(str, behind))} had no copy of {path} at {newest[0]} "
             f"epoch(s) + {newest[1]} step(s): rank {source} sends its copy")
-        received = send_file(path, source, dist.get_rank() in behind, device)
-        ckpt = common.load_checkpoint(received.name) if received else ckpt
+        received = send_file(path, source, behind, [e[3] for e in everyone], device)
+        ckpt = common.load_checkpoint(received) if received else ckpt
+        dist.barrier()  # every process of its node has mapped the copy: the writer removes it
+        if received and dist.get_rank() == min(r for r in behind if everyone[r][3] == node):
+            with contextlib.suppress(OSError):  # (Windows cannot remove a mapped file)
+                os.remove(received)
+    if not args.evaluate:
+        try:
+            check_same_run(args, ckpt, path)
+        except Fatal as e:
+            raise Fatal(str(e) * says) from None
     return ckpt
 
 
-def send_file(path, source, receive, device):
-    """Rank `source`'s file `path` to every rank, in pieces of at most PIECE bytes (on the GPU
-    with NCCL); where `receive`, into a temporary file, returned open (closed, it is gone)."""
-    rank = dist.get_rank()
+def send_file(path, source, behind, nodes, device):
+    """Rank `source`'s file `path` to the ranks `behind`, in pieces of at most PIECE bytes (on
+    the GPU with NCCL); every rank takes part. The first rank behind on each node (`nodes`: each
+    rank's) writes the pieces to one file, beside `path` where that folder exists (else in the
+    temporary folder), and the others behind on its node read that copy: its name is returned
+    to each rank behind, None to the others."""
+    rank, node = dist.get_rank(), nodes[dist.get_rank()]
     size = torch.tensor([os.path.getsize(path) if rank == source else 0], device=device)
     common.recent.append(size)
     dist.broadcast(size, src=source)
     buffer = torch.empty(min(PIECE, int(size)), dtype=torch.uint8, device=device)
     common.recent.append(buffer)
-    folder = os.path.dirname(os.path.abspath(path))  # the disk the checkpoint would be on
-    out = receive and tempfile.NamedTemporaryFile(dir=folder if os.path.isdir(folder) else None)
-    with open(path, "rb") if rank == source else contextlib.nullcontext() as f:
+    folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    if not os.path.isdir(folder):  # a node without the checkpoint's folder
+        folder, name = tempfile.gettempdir(), f"{mix(os.path.abspath(path)):x}-{name}"
+    copy = os.path.join(folder, f".{name}.node{node}.received")
+    writes = rank in behind and rank == min(r for r in behind if nodes[r] == node)
+    with open(path, "rb") if rank == source else contextlib.nullcontext() as f, \
+            open(copy, "wb") if writes else contextlib.nullcontext() as out:
         for offset in range(0, int(size), PIECE):
             piece = buffer[:min(PIECE, int(size) - offset)]
             if rank == source:
@@ -122,9 +196,8 @@ def send_file(path, source, receive, device):
             dist.broadcast(piece, src=source)
             if out:
                 out.write(piece.cpu().numpy().tobytes())
-    if out:
-        out.flush()
-    return out
+    dist.barrier()  # the copy is whole before its node's other ranks read it
+    return copy if rank in behind else None
 
 
 def restore(ckpt, model, optimizer, scheduler, scaler, path, log=print):

@@ -76,10 +76,11 @@ def train(local_rank, args):
     optimizer = common.make_optimizer(model, args)
     steps = len(loader)  # per epoch
     scheduler = common.make_scheduler(optimizer, args, steps)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     # Elastic: a group that torchrun (re)starts continues from the snapshot, if any has one.
     wish = resumable.RESUME if args.resume or args.evaluate else resumable.RESUME_IF_FOUND
-    ckpt = resumable.agreed_checkpoint(args.checkpoint, wish, device, report.log)
+    ckpt = resumable.agreed_checkpoint(args, wish, device, report.log)  # refuses another run's
+    harness.settle_precision(args, ckpt, device, report.log)  # --amp auto: one for the whole job
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     epoch, step = resumable.restore(ckpt, model, optimizer, scheduler, scaler, args.checkpoint,
                                     report.log)
     ddp = DDP(model, device_ids=[local_rank] if cuda else None)  # gradients averaged in backward

@@ -2,7 +2,10 @@
 
 - The SIGTERM stop agreement rides on the training backend: no second process group (a gloo
   group beside NCCL opens gloo connections between all ranks, on whatever interface the host
-  name resolves to), and one all-reduce of one number every resumable.CHECK_EVERY steps.
+  name resolves to), and one all-reduce of two numbers about once a second, or every step
+  where steps are longer.
+- The processes meet within --join-timeout, and the store init_process_group gets then waits
+  --timeout; --amp auto is one precision for the whole job.
 - Data workers are forked before the process group starts its threads (a fork while they run
   can hang the child: python/cpython#112275), and share the training process's memory: the
   dataset is neither copied into /dev/shm (a container's default is 64 MB) nor sent over one
@@ -10,6 +13,7 @@
 - Two writers of one checkpoint path (a shared disk with --save-on-each-node) never share a
   temporary file. (A checkpoint read once per process onto the CPU, and sent in bounded pieces
   to a process without a copy: test_resume_together.py.)"""
+import math
 import multiprocessing
 import os
 import subprocess
@@ -21,28 +25,106 @@ from torch.utils.data import DataLoader
 
 import common
 import resumable
-from conftest import ROOT, family, read_records, run_script, script_env
+from conftest import NO_BF16, ROOT, family, free_port, load, read_metrics, read_records, \
+    run_script, script_env, threads, with_task
 
 ARGS = ("--batch-size", 32, "--log-interval", 1000)  # 19 steps an epoch on the tiny MNIST
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
+BF16 = "avx512_bf16=1,amx_bf16=1"
+CONV = "torch.nn.modules.conv.Conv2d"
+
+
+def agreements(records):
+    """The stop agreement's all-reduces per rank: 2 numbers (a flag and a pace) in float32 (the
+    evaluation's sums are float64)."""
+    checks = {}
+    for r in read_records(records, "all_reduce"):
+        if r["shape"] == [2] and r["dtype"] == "float32":
+            checks[r["rank"]] = checks.get(r["rank"], 0) + 1
+    return checks
 
 
 @pytest.mark.slow
-def test_the_stop_agreement_is_one_number_every_k_steps_on_the_training_group(tiny_mnist,
-                                                                               tmp_path):
-    """2 epochs of 19 steps at 2 processes: with --checkpoint, each process all-reduces a tensor
-    of one element (the stop flag; the loss is a 0-d tensor) once every CHECK_EVERY steps and
-    before an epoch's last, and makes no process group; without --checkpoint a SIGTERM stops
-    at once: no agreement."""
+def test_the_stop_agreement_is_about_once_a_second_on_the_training_group(tiny_mnist, tmp_path):
+    """2 epochs of 19 fast steps at 2 processes: with --checkpoint, the processes all-reduce a
+    tensor of two numbers (the stop flag and the pace) at an epoch's first and last steps and
+    about once a second between: as often in each process, at most 3 + the epoch's seconds per
+    epoch; they make no process group. Without --checkpoint a SIGTERM stops at once: no
+    agreement."""
     runs = {"with": ["--checkpoint", tmp_path / "c.pt"], "without": []}
     for name, extra in runs.items():
         (tmp_path / name).mkdir()
         run_script("spawn_ddp.py", "--data-dir", tiny_mnist, *ARGS, "--epochs", 2, *extra,
-                   record=tmp_path / name)
+                   "--metrics", tmp_path / f"{name}.jsonl", record=tmp_path / name)
     assert not read_records(tmp_path / "with", "group")  # no process group but training's
-    checks = [r["rank"] for r in read_records(tmp_path / "with", "all_reduce") if r["shape"] == [1]]
-    per_epoch = len([s for s in range(1, 20) if s % resumable.CHECK_EVERY == 0 or s == 19])
-    assert sorted(checks) == sorted([0, 1] * 2 * per_epoch)
-    assert not [r for r in read_records(tmp_path / "without", "all_reduce") if r["shape"] == [1]]
+    seconds = [row["epoch_seconds"] for row in read_metrics(tmp_path / "with.jsonl")]
+    checks = agreements(tmp_path / "with")
+    assert set(checks) == {0, 1} and checks[0] == checks[1], checks
+    assert 2 * 2 <= checks[0] <= sum(3 + math.ceil(s / resumable.AGREE_EVERY) for s in seconds)
+    assert not agreements(tmp_path / "without")
+
+
+@pytest.mark.slow
+def test_with_steps_longer_than_a_second_every_step_is_agreed(tiny_mnist, tmp_path):
+    """Steps of 1.2 s (DDP_TEST_STEP_DELAY): the pace sets the next agreement one step away, in
+    both processes, so that a SIGTERM never waits more than a step (test_preemption.py)."""
+    run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 64, "--epochs", 1,
+               "--checkpoint", tmp_path / "c.pt", record=tmp_path, DDP_TEST_STEP_DELAY=1.2)
+    assert agreements(tmp_path) == {0: 10, 1: 10}  # 10 steps
+
+
+@pytest.mark.parametrize("script,launcher", [
+    ("spawn_ddp.py", ()), ("spawn_ddp.py", ("--master-port", "PORT")),
+    pytest.param("torchrun_ddp.py", TORCHRUN, marks=pytest.mark.slow),
+    pytest.param("apex_ddp.py", TORCHRUN, marks=pytest.mark.slow)], ids=[
+    "spawn-file", "spawn-tcp", "torchrun", "apex"])
+def test_init_process_group_gets_a_store_that_waits_the_timeout(tiny_mnist, tmp_path, script,
+                                                                launcher):
+    """--join-timeout 7 bounds the processes' meeting, before init_process_group; the store that
+    init_process_group is given then waits --timeout 77, as the collectives do: NCCL fetches
+    its unique id through it inside that call, so a node still preparing its data when the
+    others are there must not fail the start-up (on GPUs: test_cuda.py's late rank)."""
+    extra = ["--nproc-per-node", 2] if script == "spawn_ddp.py" else []
+    if "PORT" in launcher:
+        extra += ["--master-port", free_port()]
+    run_script(script, "--data-dir", tiny_mnist, *ARGS, "--epochs", 1, *extra,
+               "--join-timeout", 7, "--timeout", 77, record=tmp_path,
+               launcher=launcher if script != "spawn_ddp.py" else (), block="apex")
+    inits = read_records(tmp_path, "init")
+    assert sorted(r["rank"] for r in inits) == [0, 1]
+    assert {r["store_timeout"] for r in inits} == {77}, inits
+
+
+def test_one_precision_for_the_whole_job(tiny_mnist, tmp_path):
+    """--amp auto: rank 0's CPU computes bfloat16, rank 1's does not (tests/instrument). The
+    least capable decides, once, for the whole job: both train in fp32 (their modules' outputs
+    are float32), it is said once, and the checkpoint records it."""
+    run = run_script("spawn_ddp.py", "--data-dir", tiny_mnist, *ARGS, "--epochs", 1,
+                     "--checkpoint", tmp_path / "c.pt", DDP_TEST_GPU_RECORD=tmp_path,
+                     DDP_TEST_CPU_FEATURES=BF16, DDP_TEST_CPU_FEATURES_OF=f"1:{NO_BF16}")
+    said = [ln for ln in run.stdout.splitlines() if ln.startswith("precision: ")]
+    assert said == ["precision: fp32, as the device of rank(s) 1 has no bfloat16 arithmetic and "
+                    "all train in one precision (--amp auto; --amp none: fp32)"], run.stdout
+    ranks = [r for r in read_records(tmp_path, "gpu") if r["rank"] is not None]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for r in ranks:
+        assert f"{CONV} float32" in r["outputs"] and f"{CONV} bfloat16" not in r["outputs"], r
+    assert load(tmp_path / "c.pt")["args"]["amp"] == "none"
+
+
+@pytest.mark.slow
+def test_a_resume_keeps_the_precision_of_its_run(tiny_mnist, tmp_path):
+    """A run begun in bf16 (every CPU computes it), continued with --amp auto on CPUs that do not:
+    it goes on in bf16, says so, and warns that this CPU is slower at it."""
+    flags = ["--data-dir", tiny_mnist, *ARGS, "--epochs", 2, "--checkpoint", tmp_path / "c.pt"]
+    run_script("spawn_ddp.py", *flags, "--stop-after", 1, DDP_TEST_CPU_FEATURES=BF16)
+    run = run_script("spawn_ddp.py", *flags, "--resume", DDP_TEST_GPU_RECORD=tmp_path)
+    assert "precision: bf16 autocast, the precision the checkpoint was trained in (--amp auto)" \
+        in run.stdout, run.stdout
+    assert "warning: --amp bf16 on this CPU is slower than fp32" in run.stderr, run.stderr
+    assert all(f"{CONV} bfloat16" in r["outputs"] for r in read_records(tmp_path, "gpu")
+               if r["rank"] is not None)
+    assert load(tmp_path / "c.pt")["args"]["amp"] == "bf16"
 
 
 def shm_mapped(pid):
@@ -117,3 +199,58 @@ def test_a_dataset_of_2000_small_tensors_loads_with_workers():
     control = DataLoader(data, batch_size=100, num_workers=2, multiprocessing_context="forkserver")
     with pytest.raises(Exception, match="too many fds"):
         list(control)
+
+
+RAISES_ON_RANK_1 = '''
+import torch.distributed as _dist
+
+_calls, _plain_loss = [0], loss_fn
+
+
+def loss_fn(output, target):  # a bug that only rank 1 meets, in its third training step
+    if torch.is_grad_enabled() and _dist.is_initialized() and _dist.get_rank() == 1:
+        _calls[0] += 1
+        if _calls[0] == 3:
+            raise ValueError("a bug in the task")
+    return _plain_loss(output, target)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", [(), TORCHRUN], ids=["spawn", "torchrun"])
+def test_an_error_in_the_task_is_said_first_and_ends_the_job(tiny_mnist, tmp_path, launcher):
+    """Rank 1 raises in the task's loss_fn: its error is the first line, with the task's frame
+    (common.py's loss_fn) under it; it leaves the process group, so rank 0, in the step's
+    all-reduce, ends at once with one line of its own, not after --timeout (300 s here)."""
+    import time
+    repo = with_task(tmp_path / "repo", RAISES_ON_RANK_1)
+    script = "spawn_ddp.py" if not launcher else "torchrun_ddp.py"
+    start = time.monotonic()
+    r = run_script(script, "--data-dir", tiny_mnist, *ARGS, "--timeout", 300, repo=repo,
+                   launcher=launcher, check=False, **threads(script))
+    assert time.monotonic() - start < 90 and r.returncode != 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[rank")]
+    assert lines[0] == "[rank 1] error: ValueError: a bug in the task", r.stderr
+    frames = r.stderr.split(lines[0], 1)[1]
+    assert f'File "{repo / "common.py"}", line' in frames and "in loss_fn" in frames, r.stderr
+    assert [ln for ln in lines if ln.startswith("[rank 0]")] == lines[1:2], r.stderr
+    assert lines[1].startswith("[rank 0] error: distributed: "), r.stderr
+    if not launcher:
+        assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_torchrun_batch_file_gives_its_workers_most_of_the_warning(monkeypatch):
+    """slurm/torchrun_ddp.sbatch asks SLURM for a warning N s before the time limit, and gives
+    torchrun's shutdown (the wait after it passes SIGTERM on, before SIGKILL) more than its 30 s
+    default and less than N, through PET_SHUTDOWN_TIMEOUT, the variable torchrun reads for
+    --shutdown-timeout (torch 2.15; older releases ignore it)."""
+    import re
+    text = (ROOT / "slurm" / "torchrun_ddp.sbatch").read_text()
+    [lead] = re.findall(r"^#SBATCH --signal=B:USR1@(\d+)", text, re.M)
+    [shutdown] = re.findall(r"^export PET_SHUTDOWN_TIMEOUT=\$\{PET_SHUTDOWN_TIMEOUT:-(\d+)\}", text,
+                            re.M)
+    assert 30 < int(shutdown) < int(lead)
+    from torch.distributed.run import get_args_parser
+    if any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions):
+        monkeypatch.setenv("PET_SHUTDOWN_TIMEOUT", shutdown)
+        assert get_args_parser().parse_args(["x.py"]).shutdown_timeout == int(shutdown)

@@ -262,14 +262,19 @@ def test_the_port_of_a_store_that_just_ended_is_free_but_a_listening_one_is_not(
 
 
 def test_one_process_resumes_only_when_asked_and_found(tmp_path):
-    path = str(tmp_path / "c.pt")
+    args = argparse.Namespace(checkpoint=str(tmp_path / "c.pt"), evaluate=False, seed=0)
     cpu = torch.device("cpu")
-    assert resumable.agreed_checkpoint(path, resumable.RESUME_IF_FOUND, cpu) is None
+    assert resumable.agreed_checkpoint(args, resumable.RESUME_IF_FOUND, cpu) is None
     with pytest.raises(common.Fatal, match="no checkpoint at"):
-        resumable.agreed_checkpoint(path, resumable.RESUME, cpu)
-    torch.save({"model": {}, "epoch": 2, "step": 5}, path)
-    assert resumable.agreed_checkpoint(path, resumable.NO_RESUME, cpu) is None
-    assert resumable.agreed_checkpoint(path, resumable.RESUME_IF_FOUND, cpu)["step"] == 5
+        resumable.agreed_checkpoint(args, resumable.RESUME, cpu)
+    torch.save({"model": {}, "epoch": 2, "step": 5, "args": {"seed": 0}}, args.checkpoint)
+    assert resumable.agreed_checkpoint(args, resumable.NO_RESUME, cpu) is None
+    assert resumable.agreed_checkpoint(args, resumable.RESUME_IF_FOUND, cpu)["step"] == 5
+    args.seed = 1  # another run's checkpoint: refused, unless only evaluated
+    with pytest.raises(common.Fatal, match="--seed 0 in the checkpoint, 1 now"):
+        resumable.agreed_checkpoint(args, resumable.RESUME_IF_FOUND, cpu)
+    args.evaluate = True
+    assert resumable.agreed_checkpoint(args, resumable.RESUME, cpu)["step"] == 5
 
 
 def test_sigterm_without_a_checkpoint_stops_at_once():

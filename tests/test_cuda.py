@@ -452,3 +452,51 @@ def test_amp_auto_is_bf16_where_the_gpu_computes_it_and_fp32_elsewhere(tiny_mnis
     said = f"bf16 autocast, as the {name} computes" if fast else f"fp32, as the {name} has no"
     assert f"precision: {said}" in r.stdout, r.stdout
     assert load_on_cpu(tmp_path / "c.pt")["args"]["amp"] == ("bf16" if fast else "none")
+
+
+# ---- a GPU cluster's first job: start-up, precision, errors (docs/clusters.md) --------------
+
+@two_gpus
+@pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py"])
+def test_a_late_rank_starts_on_nccl_within_the_timeout(script, tiny_mnist, tmp_path):
+    """Rank 1 reaches init_process_group 20 s after rank 0 (as a node still preparing its data
+    would), with --join-timeout 5: NCCL's unique id goes through the store that
+    init_process_group got, which now waits --timeout (120 s), so the job starts and trains."""
+    r = launch(script, 2, tiny_mnist, "--epochs", 1, "--join-timeout", 5, "--timeout", 120,
+               "--metrics", tmp_path / "m.jsonl", DDP_TEST_LATE="1:20")
+    assert "rank 1 sleeps 20 s before init_process_group" in r.stderr, r.stderr
+    assert_trained(tmp_path / "m.jsonl", 1, 2)
+
+
+@two_gpus
+@pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py"])
+def test_a_rank_that_raises_ends_the_nccl_job_in_seconds(script, tiny_mnist, tmp_path):
+    """Rank 1 raises in the task's loss_fn on 2 GPUs: its line and the task's frame come first,
+    it aborts its NCCL group, and the job ends well before --timeout (300 s): the launcher
+    stops rank 0 (SIGTERM, then SIGKILL after 30 s) if nothing tells it sooner."""
+    import time
+
+    from test_cluster_safety import RAISES_ON_RANK_1
+    repo = conftest.with_task(tmp_path / "repo", RAISES_ON_RANK_1)
+    start = time.monotonic()
+    r = launch(script, 2, tiny_mnist, "--epochs", 1, "--timeout", 300, repo=repo, check=False)
+    took = time.monotonic() - start
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("[rank")]
+    assert lines and lines[0] == "[rank 1] error: ValueError: a bug in the task", r.stderr
+    assert "in loss_fn" in r.stderr and r.returncode != 0, r.stderr
+    assert took < 120, (took, r.stderr)
+
+
+@two_gpus
+def test_one_precision_on_gpus_of_two_generations(tiny_mnist, tmp_path):
+    """--amp auto with rank 1's GPU made to report compute capability 7.0 (Volta, no bfloat16
+    arithmetic): both ranks train in fp32, rank 0 says why once, the checkpoint records it."""
+    r = run_script("spawn_ddp.py", "--nproc-per-node", 2, "--data-dir", tiny_mnist,
+                   "--batch-size", 64, "--epochs", 1, "--timeout", 60, "--checkpoint",
+                   tmp_path / "c.pt", timeout=300, DDP_TEST_GPU_CAPABILITY_OF="1:7.0",
+                   DDP_TEST_GPU_RECORD=record_dir(tmp_path))
+    said = [ln for ln in r.stdout.splitlines() if ln.startswith("precision: ")]
+    assert len(said) == 1 and "the device of rank(s) 1 has no bfloat16" in said[0], r.stdout
+    for row in workers(tmp_path / "gpu"):
+        assert f"{CONV} float32" in row["outputs"] and f"{CONV} bfloat16" not in row["outputs"]
+    assert load_on_cpu(tmp_path / "c.pt")["args"]["amp"] == "none"

@@ -3,8 +3,12 @@
 `--amp auto`, the default, picks bf16 where it pays and fp32 elsewhere, and says which.
 The tests decide which CPU the scripts believe they run on (tests/instrument fakes what
 torch.cpu.get_capabilities reports), so they do not depend on the machine running them."""
-import pytest
+import argparse
 
+import pytest
+import torch
+
+import harness
 from conftest import NO_BF16, load, run_mains, run_script
 
 BF16 = "avx512_bf16=1,amx_bf16=1"
@@ -28,12 +32,11 @@ def path_line(result):
     return next(ln for ln in result["stdout"].splitlines() if ln.startswith("path: "))
 
 
-def test_apex_native_o1_is_fp32_without_bf16_instructions():
-    without, with_, o0 = run("apex_ddp.py", ([], NO_BF16), ([], BF16), (["--opt-level", "O0"], NO_BF16))
-    assert all(r["started"] and not r["stderr"].strip() for r in (without, with_, o0))
-    assert "opt level O1 -> fp32 (bfloat16 would be slower on this CPU: it has no bfloat16 " \
-           "instructions" in path_line(without)
-    assert path_line(with_).endswith("opt level O1 -> autocast bfloat16")
+def test_apex_native_path_says_what_each_opt_level_means():
+    o1, o0 = run("apex_ddp.py", ([], NO_BF16), (["--opt-level", "O0"], BF16))
+    assert all(r["started"] and not r["stderr"].strip() for r in (o1, o0))
+    assert path_line(o1).endswith("opt level O1 -> autocast bfloat16 where every CPU of the job "
+                                  "computes it, else fp32")
     assert path_line(o0).endswith("opt level O0 -> fp32")
 
 
@@ -49,20 +52,26 @@ def test_amp_bf16_warns_only_without_bf16_instructions(script):
     assert fp16["stderr"].startswith("warning: --amp fp16 on this CPU is slower than fp32")
 
 
-@pytest.mark.parametrize("script", ["dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py"])
-def test_amp_auto_picks_bf16_only_where_the_cpu_computes_it(script):
-    results = run(script, *[([], features) for features, _ in AUTO])
-    for (features, said), r in zip(AUTO, results):
-        assert r["started"] and not r["stderr"].strip(), (features, r["stderr"])  # no warning
-        [line] = [ln for ln in r["stdout"].splitlines() if ln.startswith("precision: ")]
-        assert line.startswith(f"precision: {said}") and line.endswith(
-            "(--amp auto; --amp none: fp32)"), (features, line)
+@pytest.mark.parametrize("features,said", AUTO, ids=[f for f, _ in AUTO])
+def test_amp_auto_picks_bf16_only_where_the_cpu_computes_it(monkeypatch, features, said):
+    """harness.settle_precision itself, in this process, on the CPU the case describes (what
+    torch.cpu.get_capabilities reports, faked as tests/instrument does): one process, no
+    checkpoint. (Several processes: test_cluster_safety.py's one precision for the job.)"""
+    caps = {} if features == "unknown" else {
+        name: bool(int(value)) for name, value in (f.split("=") for f in features.split(","))}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps, raising=False)
+    args, lines = argparse.Namespace(amp="auto", evaluate=False), []
+    harness.settle_precision(args, None, torch.device("cpu"), lines.append)
+    assert args.amp == ("bf16" if said.startswith("bf16") else "none")
+    [line] = lines
+    assert line.startswith(f"precision: {said}") and line.endswith(
+        "(--amp auto; --amp none: fp32)"), line
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("features,amp", [(NO_BF16, "none"), (BF16, "bf16")])
 def test_amp_auto_trains_in_the_precision_it_picked(tiny_mnist, tmp_path, features, amp):
-    """spawn_ddp.py's launcher decides, its processes train so: the checkpoint records it."""
+    """The job decides, once, and its processes train so: the checkpoint records it."""
     r = run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 64, "--checkpoint",
                    tmp_path / "c.pt", DDP_TEST_CPU_FEATURES=features)
     assert sum(ln.startswith("precision: ") for ln in r.stdout.splitlines()) == 1, r.stdout

@@ -112,3 +112,32 @@ def test_the_switch_bench_uses_turns_the_check_off(tiny_mnist, tmp_path):
     r = start_and_signal(cmd, "job", DDP_TEST_NO_STOP=1)
     assert r.returncode == 0 and "preempted" not in r.stderr, r.stderr
     assert "epoch 2 train_loss" in r.stdout
+
+
+def test_slow_steps_still_stop_within_torchruns_grace(tiny_mnist, tmp_path):
+    """Steps of 5 s, and a SIGTERM to torchrun's agent, which passes it on and kills its workers
+    30 s later (its --shutdown-timeout). The agreement follows the pace of the steps (every
+    step here), so the stop and its snapshot come a step or two after the signal: well inside
+    the 30 s, where an agreement every 10 steps (50 s) lost the snapshot."""
+    import time
+    ckpt = tmp_path / "c.pt"
+    cmd = command("torchrun_ddp.py", tiny_mnist, ckpt)
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            env=script_env(DDP_TEST_STEP_DELAY=5, **threads("torchrun_ddp.py")))
+    try:
+        for line in proc.stdout:
+            if line.startswith("epoch 1/2 step 2/"):
+                break
+        signalled = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)  # the agent alone: it passes the signal on
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert "preempted: stopped on SIGTERM after step" in err, err
+    snap = load(ckpt)
+    assert snap["epoch"] == 0 and 2 <= snap["step"] <= 5, snap["step"]
+    assert took < 25, took  # two steps and the write, not the 30 s torchrun gives

@@ -6,6 +6,7 @@ one without a copy receives it from the other, and the run ends bit-identical to
 never interrupted, each node with its own copy. Before, each process decided alone and the two
 ran different collectives, until --timeout. (The SLURM batch files are tested the same way in
 test_slurm.py.)"""
+import shutil
 import subprocess
 import sys
 import uuid
@@ -50,13 +51,13 @@ def torchrun_nodes(tiny_mnist, folders, *extra, **env):
                     *map(str, ARGS), *map(str, extra)] for _ in folders], folders, **env)
 
 
-def spawn_nodes(tiny_mnist, folders, *extra, resume_on=()):
+def spawn_nodes(tiny_mnist, folders, *extra, resume_on=(), nproc=1, **env):
     port = free_port()
     return launch([[sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),
-                    "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+                    "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", str(nproc),
                     "--master-addr", "127.0.0.1", "--master-port", str(port), *map(str, ARGS),
                     *map(str, extra), *(["--resume"] if n in resume_on else [])]
-                   for n in range(len(folders))], folders)
+                   for n in range(len(folders))], folders, **env)
 
 
 def check_resumed(folders, outs, never_interrupted):
@@ -102,3 +103,34 @@ def test_spawn_node_without_the_checkpoint_receives_it(tiny_mnist, tmp_path, nev
     outs = spawn_nodes(tiny_mnist, folders, resume_on=[1])
     assert MESSAGE.format(1) in "\n".join(outs)
     check_resumed(folders, outs, never_interrupted)
+
+
+def test_one_copy_per_node(tiny_mnist, tmp_path):
+    """Two nodes of 2 processes; node 1 lost its copy. Its two processes receive the file as
+    one copy, written by the first of them beside the checkpoint, read by both (node 1's two
+    processes load the same file) and removed once both have mapped it; the run ends as the
+    same resume with every copy in place does. (Before: one temporary copy per process, eight
+    on an 8-GPU node. At 4 processes a resume ends as a resume does, not as a run never
+    interrupted: docs/preemption.md, "Resume decisions".)"""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for f in folders:
+        f.mkdir()
+    spawn_nodes(tiny_mnist, folders, "--stop-after", 1, nproc=2)
+    reference = [tmp_path / "ref0", tmp_path / "ref1"]
+    for f, ref in zip(folders, reference):
+        shutil.copytree(f, ref)
+    spawn_nodes(tiny_mnist, reference, resume_on=[0, 1], nproc=2)
+    (folders[1] / "ckpt" / "c.pt").unlink()
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    outs = spawn_nodes(tiny_mnist, folders, resume_on=[0], nproc=2, DDP_TEST_RECORD=rec)
+    assert MESSAGE.format(0).replace("rank(s) ", "rank(s) 2, 3 ") in "\n".join(outs), outs
+    loads = read_records(rec, "load")
+    received = [r for r in loads if not r["path"].endswith("c.pt")]  # (node 0's launcher checks
+    assert len({r["pid"] for r in received}) == 2, loads               # its file first)
+    assert len({r["path"] for r in received}) == 1, loads
+    assert received[0]["path"].startswith(str(folders[1] / "ckpt")), loads
+    resumed = load(reference[0] / "ckpt" / "c.pt")
+    for f in folders:
+        assert sorted(p.name for p in (f / "ckpt").iterdir()) == ["c.pt"]  # the copy is gone
+        assert_same_training_state(resumed, load(f / "ckpt" / "c.pt"))

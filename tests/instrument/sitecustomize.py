@@ -7,7 +7,8 @@ changes none of their results:
                         destroy_process_group, the threads each rank still runs when its script
                         has returned (at exit), every fork (whether a process group existed, and
                         the threads then running), every process group made after the first,
-                        the size of every tensor broadcast and the shape of every one all-reduced
+                        the size of every tensor broadcast and the shape and dtype of every one all-reduced,
+                        and how long the store given to init_process_group waits
   DDP_TEST_PIECE=BYTES  resumable.PIECE, the largest piece of a checkpoint sent at once
   DDP_TEST_BLOCK=NAME   make `import NAME` fail, to test the message for a missing package
   DDP_TEST_STEP_DELAY=S sleep S seconds before every optimizer step (slower, same results), so
@@ -40,7 +41,14 @@ changes none of their results:
                         common.reduce_tensor returns its input without the all-reduce: one rank
                         skips a collective that the others run, as `if rank == 0:` around a
                         logging reduction would (docs/troubleshooting.md)
-  The two print one line on stderr when they act ("test instrumentation: ...").
+  DDP_TEST_LATE=RANK:S  the process of global rank RANK sleeps S seconds before it calls
+                        init_process_group (after the processes met): a node still preparing
+                        its data when the others already wait in init_process_group
+  DDP_TEST_CPU_FEATURES_OF=RANK:FEATURES
+                        in the process of global rank RANK, DDP_TEST_CPU_FEATURES is FEATURES
+                        (asked once the process group exists): one machine of the job with
+                        another CPU
+  The three print one line on stderr when they act ("test instrumentation: ...").
 With DDP_TEST_RECORD, every optimizer step also records the learning rate it used.
 """
 import atexit
@@ -92,10 +100,15 @@ if "DDP_TEST_CPU_FEATURES" in os.environ:
     _real_capabilities = getattr(torch.cpu, "get_capabilities", dict)  # torch 2.4 has none
 
     def _capabilities():
-        if os.environ.get("DDP_TEST_CPU_FEATURES") == "unknown":
+        features = os.environ.get("DDP_TEST_CPU_FEATURES", "")
+        if os.environ.get("DDP_TEST_CPU_FEATURES_OF"):
+            rank, other = os.environ["DDP_TEST_CPU_FEATURES_OF"].split(":", 1)
+            if _global_rank() == int(rank):
+                features = other
+        if features == "unknown":
             return {}  # what the scripts see where torch cannot tell (2.4: no such function)
         caps = dict(_real_capabilities())
-        for item in filter(None, os.environ.get("DDP_TEST_CPU_FEATURES", "").split(",")):
+        for item in filter(None, features.split(",")):
             name, value = item.split("=")
             caps[name.strip()] = bool(int(value))
         return caps
@@ -199,6 +212,19 @@ if os.environ.get("DDP_TEST_SKIP_REDUCE"):
         common.reduce_tensor = reduce_tensor
     _patch_module("common", _skip_one_reduce)
 
+if os.environ.get("DDP_TEST_LATE"):
+    import torch.distributed as dist
+    _late_rank, _late_s = os.environ["DDP_TEST_LATE"].split(":")
+    _punctual_init = dist.init_process_group
+
+    def _late_init(*args, **kwargs):
+        if int(kwargs.get("rank", os.environ.get("RANK", 0))) == int(_late_rank):
+            print(f"test instrumentation: rank {_late_rank} sleeps {_late_s} s before "
+                  f"init_process_group (pid {os.getpid()})", file=sys.stderr, flush=True)
+            time.sleep(float(_late_s))
+        return _punctual_init(*args, **kwargs)
+    dist.init_process_group = _late_init
+
 if os.environ.get("DDP_TEST_PIECE"):
     def _small_pieces(resumable):
         resumable.PIECE = int(os.environ["DDP_TEST_PIECE"])
@@ -278,7 +304,8 @@ if RECORD:
     _all_reduce = dist.all_reduce
 
     def _recording_all_reduce(tensor, *args, **kwargs):
-        _append("all_reduce", {"rank": dist.get_rank(), "shape": list(tensor.shape)})
+        _append("all_reduce", {"rank": dist.get_rank(), "shape": list(tensor.shape),
+                               "dtype": str(tensor.dtype).replace("torch.", "")})
         return _all_reduce(tensor, *args, **kwargs)
     dist.all_reduce = _recording_all_reduce
 
@@ -305,6 +332,9 @@ if RECORD:
     def _recording_init_pg(*args, **kwargs):
         _init_pg(*args, **kwargs)
         _ranks.append(dist.get_rank())
+        store = kwargs.get("store")
+        _append("init", {"rank": dist.get_rank(), "store_timeout":
+                         store.timeout.total_seconds() if store is not None else None})
     dist.init_process_group = _recording_init_pg
 
     def _record_threads_at_exit():
@@ -325,6 +355,10 @@ if RECORD:
 #                             an infinite gradient: an fp16 overflow on a chosen step, which the
 #                             GradScaler (or apex amp) must skip. One line on stderr says when.
 #   DDP_TEST_INF_GRAD_RANK=R  ... only in the process of global rank R (default: in every one)
+#   DDP_TEST_GPU_CAPABILITY_OF=RANK:MAJOR.MINOR
+#                             in the process of global rank RANK (once the process group
+#                             exists), torch.cuda.get_device_capability reports this compute
+#                             capability: a job whose GPUs are of two generations
 #   DDP_TEST_GPU_RECORD=DIR   at exit, each process appends to DIR/gpu-PID.jsonl: its rank and
 #                             the CUDA device current at init_process_group (both None without a
 #                             process group); for every visible GPU whether this process holds a
@@ -367,6 +401,18 @@ if os.environ.get("DDP_TEST_INF_GRAD_STEP"):
               f"(pid {os.getpid()})", file=sys.stderr, flush=True)
         return _InfiniteGradient.apply(loss)
     torch.nn.functional.cross_entropy = _overflowing_cross_entropy
+
+if os.environ.get("DDP_TEST_GPU_CAPABILITY_OF"):
+    import torch
+    _cap_rank, _cap = os.environ["DDP_TEST_GPU_CAPABILITY_OF"].split(":")
+    _real_capability = torch.cuda.get_device_capability
+
+    def _capability(*args, **kwargs):
+        import torch.distributed as dist
+        if dist.is_initialized() and dist.get_rank() == int(_cap_rank):
+            return tuple(int(v) for v in _cap.split("."))
+        return _real_capability(*args, **kwargs)
+    torch.cuda.get_device_capability = _capability
 
 GPU_RECORD = os.environ.get("DDP_TEST_GPU_RECORD")
 if GPU_RECORD:

@@ -1,0 +1,117 @@
+"""A checkpoint belongs to its run (resumable.check_same_run; docs/preemption.md, "One run, one
+checkpoint"). A resume, an elastic restart or a requeue continues only the run that wrote the checkpoint: any
+flag that defines the run (resumable.NOT_THE_RUN lists those that do not) given another value
+is refused in one `error:` line that names each one with both values, before anything is
+written, and the checkpoint stays byte for byte as it was. The same command again continues;
+another world size is the same run; --evaluate compares nothing."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, free_port, read_metrics, run_mains, run_script, script_env
+
+BASE = ("--batch-size", 64, "--epochs", 2, "--log-interval", 5)
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
+CHANGES = [  # another value for a flag that defines the run: what the refusal must say
+    (["--batch-size", "32"], "--batch-size 64 in the checkpoint, 32 now"),
+    (["--seed", "1"], "--seed 0 in the checkpoint, 1 now"),
+    (["--epochs", "3"], "--epochs 2 in the checkpoint, 3 now"),
+    (["--lr", "0.02"], "--lr 0.01 in the checkpoint, 0.02 now"),
+    (["--accumulate", "2"], "--accumulate 1 in the checkpoint, 2 now"),
+    (["--amp", "bf16"], "--amp none in the checkpoint, bf16 now"),
+    (["--dummy"], "--dummy now, not in the checkpoint"),  # a task's own flag
+]
+
+
+@pytest.fixture(scope="module")
+def first_epoch(tiny_mnist, tmp_path_factory):
+    """Epoch 1 of 2 by dp_baseline.py (fp32: the tests' CPU has no bfloat16): the checkpoint
+    every test here tries to continue, and its bytes."""
+    folder = tmp_path_factory.mktemp("first-epoch")
+    run_script("dp_baseline.py", "--data-dir", tiny_mnist, *BASE, "--stop-after", 1,
+               "--checkpoint", folder / "c.pt")
+    return folder / "c.pt", (folder / "c.pt").read_bytes()
+
+
+def resume(script, tiny_mnist, ckpt, *flags):
+    return {"argv": ["--data-dir", str(tiny_mnist), *map(str, BASE), "--checkpoint", str(ckpt),
+                     "--resume", *flags]}
+
+
+@pytest.mark.parametrize("script", ["dp_baseline.py", "spawn_ddp.py"])
+def test_a_resume_with_other_flags_is_refused_in_one_line(first_epoch, tiny_mnist, script):
+    """The launcher refuses before anything starts; then the same command with one thing the
+    run does not depend on changed (the data's folder, workers, the log, the world size, the
+    timeouts) gets as far as starting."""
+    ckpt, before = first_epoch
+    same = ["--workers", "1", "--log-interval", "7", "--save-every", "3"]
+    if script == "spawn_ddp.py":
+        same += ["--nproc-per-node", "4", "--timeout", "100"]
+    cases = [resume(script, tiny_mnist, ckpt, *flags) for flags, _ in CHANGES]
+    cases.append(resume(script, tiny_mnist, ckpt, "--batch-size", "128", "--seed", "5"))
+    cases.append(resume(script, tiny_mnist, ckpt, *same))
+    *refused, both, ok = run_mains(script, cases)
+    for (flags, said), r in zip(CHANGES, refused):
+        assert r["code"] == 2 and not r["started"], (flags, r)
+        [line] = r["stderr"].splitlines()
+        assert line.startswith(f"error: {ckpt} is the checkpoint of another run: {said}. "), line
+        assert line.endswith("or another --checkpoint to start a new run"), line
+    [line] = both["stderr"].splitlines()
+    assert "--batch-size 64 in the checkpoint, 128 now; --seed 0 in the checkpoint, 5 now." in line
+    assert ok["started"] and ok["code"] == 0, ok
+    assert ckpt.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_torchrun_refuses_a_new_run_at_an_old_path_and_continues_the_same(first_epoch, tiny_mnist,
+                                                                           tmp_path):
+    """torchrun_ddp.py resumes whenever it finds --checkpoint: a new experiment at the same path
+    (another --seed) is refused, by one line, with the file untouched; the first run's own
+    command continues it at another world size (2 processes, where 1 began)."""
+    ckpt, before = first_epoch
+    flags = ["--data-dir", tiny_mnist, *BASE, "--checkpoint", ckpt, "--timeout", 30]
+    r = run_script("torchrun_ddp.py", *flags, "--seed", 7, launcher=TORCHRUN, check=False)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert lines == [f"[rank 0] error: {ckpt} is the checkpoint of another run: --seed 0 in "
+                     "the checkpoint, 7 now. Give its flags to continue it, or another "
+                     "--checkpoint to start a new run"], r.stderr
+    assert ckpt.read_bytes() == before
+    copy = tmp_path / "c.pt"
+    copy.write_bytes(before)
+    flags[flags.index(ckpt)] = copy
+    r = run_script("torchrun_ddp.py", *flags, "--metrics", tmp_path / "m.jsonl", launcher=TORCHRUN)
+    assert f"loaded {copy}: 1 epoch(s) + 0 step(s) trained" in r.stdout
+    assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [2]
+
+
+@pytest.mark.slow
+def test_evaluate_compares_nothing(first_epoch, tiny_mnist, tmp_path):
+    """--evaluate reads the model as it is, at any batch size and seed."""
+    ckpt, before = first_epoch
+    run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 96, "--seed", 3,
+               "--nproc-per-node", 3, "--evaluate", "--checkpoint", ckpt,
+               "--metrics", tmp_path / "m.jsonl")
+    [row] = read_metrics(tmp_path / "m.jsonl")
+    assert row["evaluate"] and row["epoch"] == 1
+    assert ckpt.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_nodes_started_with_other_flags_are_refused(tiny_mnist, tmp_path):
+    """Two spawn_ddp.py nodes given two seeds would train two different programs in one job:
+    refused by the first process of each node, before anything is written."""
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist), *map(str, BASE),
+         "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1", "--master-addr",
+         "127.0.0.1", "--master-port", str(port), "--seed", str(n), "--timeout", "30",
+         "--checkpoint", str(tmp_path / f"c{n}.pt")], cwd=tmp_path, env=script_env(),
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in range(2)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], errs
+    for err in errs:
+        assert "were started with other flags than rank 0's; give every node the same " \
+               "command" in err, err
+    assert not list(tmp_path.glob("*.pt"))
