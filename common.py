@@ -1,5 +1,5 @@
 """What the four scripts share: first the task, the part to replace for your own model and
-data (docs/your-own-task.md; MNIST is the default), then the few helpers the lesson uses. The
+data (docs/your-own-task.md; MNIST is the default), then the few helpers the scripts share. The
 machinery (command line and checks, SIGTERM, resuming, data workers) is in harness.py and
 resumable.py, which the lesson never needs to open."""
 import collections
@@ -198,7 +198,7 @@ def read_idx(path):
         return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).view(*dims)
 
 
-# ---- 2. The helpers the lesson uses ----------------------------------------------------------
+# ---- 2. The helpers the scripts share (the lesson takes save_checkpoint, and runs the rest) ---
 
 def to_device(inputs, device, channels_last=False):
     """A batch's inputs (a tensor, or a tuple, list or dict of tensors) on the device; with

@@ -52,34 +52,47 @@ def main():
 
     torch.manual_seed(0)  # the initial weights, the same in every process
     model = common.make_model(args).to(device)
-    ddp = DDP(model, device_ids=[local_rank] if cuda else None)  # backward averages gradients
+    # Train through the wrapper, whose backward averages the gradients over the processes;
+    # evaluate and save `model`, the plain model inside it (the wrapper would sync buffers).
+    ddp = DDP(model, device_ids=[local_rank] if cuda else None)
     optimizer = common.make_optimizer(model, args)
     scheduler = common.make_scheduler(optimizer, args, len(loader))
 
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
         model.train()
-        loss_sum, seen = torch.zeros((), device=device), 0
+        totals = torch.zeros(2, device=device)  # the loss summed over the samples, the samples
         for inputs, target in loader:
-            # .to(device), and common.forward is model(inputs): both also take the dicts and
-            # tuples of tensors that a task of your own may have (docs/your-own-task.md)
-            inputs, target = common.to_device(inputs, device), target.to(device)
-            loss = common.loss_fn(common.forward(ddp, inputs), target)  # through the wrapper
+            inputs, target = inputs.to(device), target.to(device)
+            loss = common.loss_fn(ddp(inputs), target)  # through the wrapper
             optimizer.zero_grad()
             loss.backward()  # DDP all-reduces the gradients here
             optimizer.step()
             scheduler.step()
-            loss_sum += loss.detach() * len(target)  # summed on the device: no wait per step
-            seen += len(target)
-        train_loss = common.reduce_tensor(loss_sum).item() / seen  # the mean over processes
-        metrics = common.evaluate(model, test_loader, device)  # the plain model; all-reduces
+            totals[0] += loss.detach() * len(target)  # added up on the device: no wait per step
+            totals[1] += len(target)
+        dist.all_reduce(totals)  # SUMS each over the processes: all processes' loss and samples
+        train_loss = (totals[0] / totals[1]).item()
+
+        for buffer in model.buffers():  # BatchNorm's statistics, which each process updated
+            dist.broadcast(buffer, src=0)  # with its own batches: rank 0's (the saved ones)
+        model.eval()
+        counts = torch.zeros(2, device=device)  # correct predictions, test samples
+        with torch.no_grad():
+            for inputs, target in test_loader:
+                output = model(inputs.to(device))
+                counts[0] += (output.argmax(1) == target.to(device)).sum()
+                counts[1] += len(target)
+        dist.all_reduce(counts)  # SUMS each over the processes: each test sample counted once
+        correct, total = counts.tolist()
+        report = (f"epoch {epoch + 1} train_loss {train_loss:.4f} test_acc "
+                  f"{100 * correct / total:.4g} correct {correct:.0f} total {total:.0f}")
         if args.checkpoint and rank == 0:  # one writer: the plain model, no "module." prefix
             common.save_checkpoint({"model": model.state_dict(), "epoch": epoch + 1},
                                    args.checkpoint)
         dist.barrier()  # nobody runs ahead, or exits, before the checkpoint is complete
-        if rank == 0:
-            print(f"epoch {epoch + 1} train_loss {train_loss:.4f}",
-                  *(f"{name} {value:g}" for name, value in metrics.items()), flush=True)
+        if rank == 0:  # one line per epoch, not one per process
+            print(report, flush=True)
     dist.destroy_process_group()  # frees the group's threads and sockets
 
 

@@ -3,6 +3,7 @@ same loop made data-parallel under torchrun. Both train; the DDP version's proce
 take a disjoint shard, reshuffled every epoch, end with the same weights, count every test
 sample once, and leave one checkpoint written by one process that a plain model loads. The
 lesson needs common.py alone."""
+import argparse
 import re
 import sys
 
@@ -52,6 +53,31 @@ def test_ddp_shards_reshuffles_agrees_and_writes_once(tiny_mnist, tmp_path):
     assert all(torch.equal(saved[k], finals[0][k]) for k in saved)  # the last weights
 
 
+def test_three_processes_report_the_whole_test_set_and_the_mean_loss(tmp_path):
+    """3 processes on MNIST's synthetic data (--dummy: 10,000 test samples, which 3 does not
+    divide): the printed counts are the saved model's on the whole test set, evaluated here in
+    one process, and the printed loss is the mean of every process's training losses, weighted
+    by their samples (recorded as each process computed them)."""
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    r = run_script("lesson/ddp.py", "--dummy", "--batch-size", 600, "--checkpoint",
+                   tmp_path / "c.pt", launcher=(*TORCHRUN[:-1], "--nproc-per-node=3"),
+                   record=rec, timeout=300, OMP_NUM_THREADS=1)
+    [(_, loss, _, correct, total)] = epochs(r.stdout)
+    args = argparse.Namespace(dummy=True, data_dir=None)
+    _, test_set = common.make_datasets(args)
+    model = common.Net()
+    model.load_state_dict(load(tmp_path / "c.pt")["model"])
+    model.eval()
+    with torch.no_grad():
+        right = int((model(test_set.images).argmax(1) == test_set.labels).sum())
+    assert (int(correct), int(total)) == (right, 10000)
+    losses = read_records(rec, "loss")
+    assert sorted({row["rank"] for row in losses}) == [0, 1, 2]
+    mean = sum(row["loss"] * row["n"] for row in losses) / sum(row["n"] for row in losses)
+    assert abs(float(loss) - mean) < 1e-4, (loss, mean)
+
+
 def test_ddp_without_torchrun_says_how_to_start_it(tmp_path):
     r = run_script("lesson/ddp.py", check=False, timeout=60)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
@@ -59,7 +85,12 @@ def test_ddp_without_torchrun_says_how_to_start_it(tmp_path):
 
 
 def test_the_lesson_needs_common_alone():
+    """...and of common.py the task alone (its datasets, model, loss and optimizer recipe) and
+    save_checkpoint: every collective the lesson runs is in the lesson."""
     for name in ("one_process.py", "ddp.py"):
-        imports = re.findall(r"^(?:import|from) (\w+)", (ROOT / "lesson" / name).read_text(),
-                             re.M)
+        text = (ROOT / "lesson" / name).read_text()
+        imports = re.findall(r"^(?:import|from) (\w+)", text, re.M)
         assert set(imports) <= {"argparse", "os", "sys", "torch", "common"}, (name, imports)
+        assert set(re.findall(r"common\.(\w+)", text)) <= {
+            "add_task_flags", "prepare_data", "make_datasets", "collate", "make_model", "loss_fn",
+            "make_optimizer", "make_scheduler", "save_checkpoint"}, name

@@ -59,22 +59,54 @@ def test_flags_table_matches_every_parser():
             assert (flag, script) in seen, f"docs/flags.md lists {flag} for {script}, which has no such flag"
 
 
+def lesson_section():
+    return readme().split("## From one process to DDP", 1)[1].split("\n## ", 1)[0]
+
+
 def test_readme_links_point_at_the_ddp_lines():
-    """Each row of the README's "From one process to DDP" table names the code (its first
-    backticked text) that the lines it links to contain: in spawn_ddp.py and torchrun_ddp.py
-    always, in the lesson's lesson/ddp.py where the lesson has it."""
-    rows = [line for line in readme().split("## From one process to DDP", 1)[1]
-            .split("\n## ", 1)[0].splitlines() if re.match(r"\| (\d+|\+) \|", line)]
-    assert len(rows) >= 8
+    """The lesson's table (rows numbered as the block's steps) links each change to its line in
+    lesson/ddp.py; the full scripts' table, to its lines in spawn_ddp.py and torchrun_ddp.py.
+    Each row names the code (its first backticked text) that the lines it links to contain."""
+    rows = [line for line in lesson_section().splitlines() if re.search(r"\.py#L\d+", line)]
+    lesson = [row for row in rows if re.match(r"\| (\d+|\+) \|", row)]
+    assert len(lesson) >= 11 and len(rows) - len(lesson) >= 10
     for row in rows:
         code = re.search(r"`([^`]+)`", row).group(1)
         links = re.findall(r"\]\(([\w./]+\.py)#L(\d+)\)", row)
-        assert {f for f, _ in links} - {"lesson/ddp.py"} == {"spawn_ddp.py", "torchrun_ddp.py"}, row
+        files = {"lesson/ddp.py"} if row in lesson else {"spawn_ddp.py", "torchrun_ddp.py"}
+        assert {f for f, _ in links} == files, row
         for shown, line in re.findall(r"\[(\d+)\]\([\w./]+\.py#L(\d+)\)", row):
             assert shown == line, f"README shows line {shown} but links to line {line}: {row}"
         for name, line in links:
             text = (ROOT / name).read_text().splitlines()[int(line) - 1]
             assert code in text, f"README: {name}#L{line} is {text.strip()!r}, not {code!r}"
+
+
+def test_the_lesson_tables_have_short_cells():
+    """No cell of the lesson's two tables is longer than about 30 words."""
+    for line in lesson_section().splitlines():
+        if line.startswith("|"):
+            for cell in line.strip("|").split("|"):
+                assert len(cell.split()) <= 32, cell
+
+
+def test_the_readme_block_is_the_lessons_code():
+    """Every line of code in the README's numbered block stands in lesson/ddp.py as it is
+    (whitespace aside; "..." leaves out arguments), so that the block and the lesson stay in
+    step; and the block shows every collective the lesson runs."""
+    block = lesson_section().split("```python\n", 1)[1].split("```", 1)[0]
+    code = [line.split("  #")[0].strip() for line in block.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+    lesson = " ".join(re.sub(r"\s+#.*", "", line).strip()
+                      for line in (ROOT / "lesson" / "ddp.py").read_text().splitlines())
+    lesson = re.sub(r"([(\[{]) ", r"\1", lesson)  # a call broken over two lines, joined
+    for line in code:
+        parts = [re.escape(part).replace(re.escape(" "), r"\s*") for part in line.split("...")]
+        assert re.search(".*?".join(parts), lesson), line
+    collectives = re.findall(r"dist\.(all_reduce|broadcast|barrier)\(", lesson)
+    assert sorted(set(collectives)) == ["all_reduce", "barrier", "broadcast"]
+    for name in ("all_reduce(totals)", "all_reduce(counts)", "broadcast(buffer", "barrier()"):
+        assert name in block, name
 
 
 def changed_lines(a, b):

@@ -49,7 +49,8 @@ changes none of their results:
                         (asked once the process group exists): one machine of the job with
                         another CPU
   The three print one line on stderr when they act ("test instrumentation: ...").
-With DDP_TEST_RECORD, every optimizer step also records the learning rate it used.
+With DDP_TEST_RECORD, every optimizer step also records the learning rate it used, and every
+training loss that common.loss_fn returns is recorded with its rank and its batch's size.
 """
 import atexit
 import io
@@ -325,6 +326,18 @@ if RECORD:
                   os.path.join(RECORD, f"final-rank{dist.get_rank()}.pt"))
         return _destroy(*args, **kwargs)
     dist.destroy_process_group = _recording_destroy
+
+    def _record_losses(common):
+        loss_fn = common.loss_fn
+
+        def recording_loss_fn(output, target):
+            loss = loss_fn(output, target)
+            if torch.is_grad_enabled():  # training, not evaluation
+                _append("loss", {"rank": dist.get_rank() if dist.is_initialized() else 0,
+                                 "loss": loss.item(), "n": len(target)})
+            return loss
+        common.loss_fn = recording_loss_fn
+    _patch_module("common", _record_losses)
 
     _init_pg = dist.init_process_group
     _ranks = []
