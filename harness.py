@@ -3,9 +3,13 @@ errors as one line, each process's device and threads, where the processes meet 
 script itself must say, and reporting. The lesson never needs to open this file."""
 import argparse
 import contextlib
+import importlib
+import inspect
+import itertools
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -14,6 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from datetime import timedelta
 
 import torch
@@ -96,10 +101,11 @@ def leave_group():
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if abort and dist.get_backend() != "gloo":
-        abort()
-    else:
-        dist.destroy_process_group()
+    with contextlib.suppress(Exception):  # leaving anyway: the process ends with its own line
+        if abort and dist.get_backend() != "gloo":
+            abort()
+        else:
+            dist.destroy_process_group()
 
 
 # ---- The command line: one definition, so that a flag means the same in every script; each
@@ -131,10 +137,16 @@ natural_float = ranged(float, lambda v: 0 <= v < math.inf, "a number >= 0")
 
 def parse_args(description, launcher, argv=None):
     """The flags of every script (docs/flags.md), those of `launcher` ("dp": one process;
-    "spawn"; "torchrun"; "apex"), then the task's (common.add_task_flags), from `argv` (default:
-    the command line)."""
+    "spawn"; "torchrun"; "apex"), then the task's (common.add_task_flags, once --task, read
+    first, has been loaded), from `argv` (default: the command line)."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--task")
+    load_task(first.parse_known_args(argv)[0].task)
     p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     a, d = p.add_argument, " (default: %(default)s)"
+    a("--task", metavar="FILE_OR_MODULE", help="the task to train: a Python file (tasks/text.py) "
+      "or a module (mypkg.text) defining the names of docs/your-own-task.md; what it leaves "
+      "out is common.py's (default: common.py's, MNIST)")
     a("--epochs", type=positive_int, default=1, help="epochs the LR schedule spans" + d)
     a("--stop-after", type=positive_int, metavar="EPOCH", help="end this run after this epoch, "
       "keeping the schedule of --epochs (continue later with --resume)")
@@ -201,11 +213,42 @@ def parse_args(description, launcher, argv=None):
         g.add_argument("--native", action="store_true", help="the native path even if apex works")
     common.add_task_flags(p)  # last: a task may also change the defaults above (set_defaults)
     args = p.parse_args(argv)
+    args.task = args.task and os.path.normpath(args.task)  # as compared by a resume
     if launcher == "dp" and args.gpus is None:
         args.gpus = list(range(torch.cuda.device_count()))
     if launcher == "spawn" and args.nproc_per_node is None:  # one process per GPU
         args.nproc_per_node = torch.cuda.device_count() or 2
     return args
+
+
+SEAM = ("add_task_flags", "prepare_data", "make_datasets", "collate", "make_model", "loss_fn",
+        "make_optimizer", "make_scheduler", "evaluate_batch", "summarize")  # your-own-task.md
+
+
+def load_task(task):
+    """--task: a Python file or an importable module whose names of the seam (SEAM) replace
+    common.py's, where the scripts look them up when they call them; what it leaves out stays
+    common.py's. A file is imported under its own name with its folder on the path, so that
+    processes started by spawn import it by that name too. (A checkpoint names its task only to
+    be compared: no code is ever imported because a file says so, docs/security.md.)"""
+    if not task:
+        return
+    name = task
+    if task.endswith(".py") or os.sep in task or "/" in task:
+        if not os.path.isfile(task):
+            raise Fatal(f"--task {task}: no such file")
+        folder, name = os.path.split(os.path.abspath(task)[:-len(".py")])
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+            raise  # a module the task imports is missing: its own line and frames
+        raise Fatal(f"--task {task}: no module named {e.name}") from None
+    for seam in SEAM:
+        if hasattr(module, seam):
+            setattr(common, seam, getattr(module, seam))
 
 
 def check_args(args, elastic=False, cuda=None):
@@ -268,9 +311,9 @@ def check_args(args, elastic=False, cuda=None):
         with torch.device("meta"):  # shapes only: no memory for the model, no data read
             model = common.make_model(args)
         ckpt = common.load_checkpoint(args.checkpoint)
-        resumable.load_model_state(model, ckpt["model"], args.checkpoint, assign=True)
         if not args.evaluate:  # another run's checkpoint, refused before any process starts
             resumable.check_same_run(args, ckpt, args.checkpoint)
+        resumable.load_model_state(model, ckpt["model"], args.checkpoint, assign=True)
     gpu = gpu if cuda else None  # the device whose precision counts: that GPU, or the CPU
     slow = slower_than_fp32(args.amp, gpu)  # --amp auto: settle_precision, once the job met
     if notes and slow:
@@ -306,33 +349,82 @@ def check_args(args, elastic=False, cuda=None):
             raise Fatal(f"{flag} {path}: cannot write in {folder} ({e.strerror})") from None
 
 
-def check_task(model, test_set, device, world_size):
-    """A task that does not fit the scripts (docs/your-own-task.md) fails here in one line, before
-    any training: two test samples through collate, the model (in eval mode), loss_fn,
-    evaluate_batch and summarize. (Test samples: a training set may draw augmentation.)"""
-    if len(test_set) < world_size:
-        raise Fatal(f"the test set has {len(test_set)} samples, fewer than the {world_size} "
-                    "processes: each must evaluate at least one")
-    step, training = "the test set", model.training
+def check_task(model, loader, test_loader, device, world_size, channels_last=False):
+    """A task that does not fit the scripts (docs/your-own-task.md) fails here, before the first
+    step, in one line that names the part that failed, with the task's own frames under it. In
+    every process its first training batch goes through collate, the model in train mode and
+    loss_fn, and its first test batch through the model, evaluate_batch and summarize, with
+    warnings raised as errors (a loss whose output and target only broadcast to each other
+    warns). It leaves no trace: the model's buffers and the random generators are restored."""
+    if len(test_loader.dataset) < world_size:
+        raise Fatal(f"the test set has {len(test_loader.dataset)} samples, fewer than the "
+                    f"{world_size} processes: each must evaluate at least one")
+    buffers, training = [b.clone() for b in model.buffers()], model.training
+    rng = torch.get_rng_state(), random.getstate()
+    gpu_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    step, output, target = "the dataset", None, None
     try:
-        with torch.no_grad():
-            model.eval()
-            samples = [test_set[i] for i in range(min(2, len(test_set)))]
-            step = "collate(samples)"
-            inputs, target = common.collate(samples)
-            step = "the model's forward"
-            output = common.forward(model, common.to_device(inputs, device))
-            step, target = "loss_fn(output, target)", target.to(device)
-            float(common.loss_fn(output, target))
-            step = "evaluate_batch(output, target)"
-            sums = {k: float(v) for k, v in common.evaluate_batch(output, target).items()}
-            step = "summarize(sums)"
-            {k: float(v) for k, v in common.summarize(sums).items()}
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for batches, train in ((loader, True), (test_loader, False)):
+                data = batches.dataset  # what the DataLoader's worker would do with a batch:
+                indices = list(itertools.islice(iter(batches.sampler), batches.batch_size))
+                step, output = "the dataset", None
+                samples = data.__getitems__(indices) if callable(
+                    getattr(data, "__getitems__", None)) else [data[i] for i in indices]
+                step = "collate(samples)"
+                inputs, target = common.collate(samples)
+                step = "the model's forward"
+                model.train(train)
+                output = common.forward(model, common.to_device(inputs, device, channels_last))
+                target = target.to(device)
+                if train:
+                    step = "loss_fn(output, target)"
+                    loss = common.loss_fn(output, target)
+                    if torch.as_tensor(loss).numel() != 1:
+                        raise ValueError(f"it returned a tensor of shape {list(loss.shape)}, "
+                                         "not one number")
+                    continue
+                step = "evaluate_batch(output, target)"
+                sums = {k: float(v) for k, v in common.evaluate_batch(output, target).items()}
+                step = "summarize(sums)"
+                {k: float(v) for k, v in common.summarize(sums).items()}
     except Exception as e:
-        detail = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        raise Fatal(f"the task does not fit the scripts: {step} failed on two samples with "
-                    f"{detail[:200]} (docs/your-own-task.md)") from None
-    model.train(training)
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        shapes = ""
+        if step.startswith("loss_fn") and torch.is_tensor(output) and torch.is_tensor(target) \
+                and output.shape != target.shape:
+            with contextlib.suppress(RuntimeError):
+                torch.broadcast_shapes(output.shape, target.shape)
+                shapes = f"; output {list(output.shape)} and target {list(target.shape)} only " \
+                         "broadcast to each other"
+        frames = task_frames(e.__traceback__)
+        raise Fatal(f"the task does not fit the scripts: {step} raised {type(e).__name__}"
+                    f"{': ' * bool(detail)}{detail}{shapes} (docs/your-own-task.md)"
+                    + f"\n{frames}" * bool(frames)) from None
+    finally:
+        for b, saved in zip(model.buffers(), buffers):
+            b.copy_(saved)
+        model.train(training)
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        if gpu_rng is not None:
+            torch.cuda.set_rng_state(gpu_rng, device)
+
+
+def task_frames(tb):
+    """The frames of a traceback that are the task's: in the files that define its names (a
+    --task file, common.py's task section or a task appended to it), not the scripts', torch's,
+    or common.py's helpers; as Python prints them, without the header."""
+    files = {fn.__code__.co_filename for fn in (getattr(common, name) for name in SEAM)
+             if hasattr(fn, "__code__")}
+    lines, first = inspect.getsourcelines(common.load_checkpoint)  # the helpers' last one
+    with open(common.__file__) as f:
+        start = next(i for i, line in enumerate(f, 1) if line.startswith("# ---- 2"))
+    helpers = range(start, first + len(lines))
+    kept = [f for f in traceback.extract_tb(tb) if f.filename in files and not (
+        os.path.samefile(f.filename, common.__file__) and f.lineno in helpers)]
+    return "".join(traceback.format_list(kept)).rstrip()
 
 
 # ---- The machine: devices, cores, precision. Portable: Linux, macOS, Windows. ----------------
@@ -524,6 +616,7 @@ def worker(local_rank, train, args, private):
     """mp.spawn's target: train(local_rank, args, the store's file in the launcher's private
     folder), an error as one line that names the rank."""
     with clean_exit(f"[rank {args.node_rank * args.nproc_per_node + local_rank}] "):
+        load_task(args.task)  # a new interpreter: common.py's names again, until the task's
         train(local_rank, args, os.path.join(private, "store"))
 
 
@@ -553,6 +646,7 @@ class Reporter:
                  f"{f', backend {dist.get_backend()}' if dist.is_initialized() else ''}, device "
                  f"{device.type}, {torch.get_num_threads()} thread(s) each"
                  f"{f', restart {restart} (TORCHELASTIC_RESTART_COUNT)' if restart else ''}")
+        self.log(f"task {args.task or 'common.py'}")
         self.log(f"LR {args.lr:g} at batch {common.REFERENCE_BATCH} -> {common.peak_lr(args):.4g} "
                  f"at {args.batch_size} ({common.LR_RULES[args.lr_scaling]})")
 
@@ -577,10 +671,12 @@ class Reporter:
 
 class EpochStats:
     """One epoch of one process: its loss summed on the device (no sync per step), the samples
-    it trained, its seconds (after the GPU's queued work) and the time it waited for batches."""
+    it trained, its seconds (after the GPU's queued work) and the time it waited for batches;
+    an epoch resumed after `skipped` of its `steps` says that it covers only the rest."""
 
-    def __init__(self, device):
+    def __init__(self, device, skipped=0, steps=0):
         self.device, self.seen, self.data_wait = device, 0, 0.0
+        self.skipped, self.steps = skipped, steps
         self.loss_sum, self.start = torch.zeros((), device=device), self.now()
 
     def now(self):
@@ -603,5 +699,6 @@ class EpochStats:
     def speed(self, world_size):
         """The epoch's seconds, samples per second over all processes, the share spent waiting."""
         seconds = self.now() - self.start
+        partial = {"partial": f"steps {self.skipped + 1}-{self.steps} of {self.steps} (resumed)"}
         return {"epoch_seconds": seconds, "samples_per_s": self.seen * world_size / seconds,
-                "data_wait": self.data_wait / seconds}
+                "data_wait": self.data_wait / seconds, **(partial if self.skipped else {})}

@@ -70,7 +70,7 @@ def train(local_rank, args):
     torch.manual_seed(args.seed)
     layout = torch.channels_last if args.channels_last else torch.preserve_format
     model = common.make_model(args).to(device, memory_format=layout)
-    harness.check_task(model, test_set, device, world_size)
+    harness.check_task(model, loader, test_loader, device, world_size, args.channels_last)
     if args.sync_bn:  # BatchNorm statistics over the global batch; converted before the wrap
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     optimizer = common.make_optimizer(model, args)
@@ -102,7 +102,7 @@ def train(local_rank, args):
         train_set.set_epoch(epoch)  # and new augmentation
         loader.sampler.skip = step * batch_size  # resuming mid-epoch: skip what was trained
         model.train()
-        stats = harness.EpochStats(device)
+        stats = harness.EpochStats(device, skipped=step, steps=steps)  # resumed: says partial
         for step, (inputs, target) in enumerate(stats.timed(loader), step + 1):
             if stop(step):  # SIGTERM: stop before this step, after a snapshot
                 save(epoch, step - 1)

@@ -65,6 +65,19 @@ mp.spawn = started                # spawn_ddp.py starts its workers
 subprocess.run = started          # bench.py runs the scripts
 subprocess.Popen = started
 
+_load_task = harness.load_task
+
+
+def load_task(task):
+    """--task replaces common's names; the hooks above stay (a task's datasets start work too)."""
+    _load_task(task)
+    if task and common.make_datasets is not started:  # the task's own: not MNIST's to prepare
+        common.make_datasets, common.mnist_datasets = started, None
+
+
+harness.load_task = load_task
+SEAM = {name: getattr(common, name) for name in (*harness.SEAM, "mnist_datasets")}  # each case
+
 for line in sys.stdin:
     case = json.loads(line)
     env = dict(os.environ)
@@ -86,6 +99,8 @@ for line in sys.stdin:
             result["code"] = "traceback"
     if dist.is_initialized():
         dist.destroy_process_group()
+    for name, value in SEAM.items():  # a case's --task does not reach the next case
+        setattr(common, name, value)
     os.environ.clear()
     os.environ.update(env)
     result.update(stdout=out.getvalue(), stderr=err.getvalue(), flags=mode.get("flags"))

@@ -31,6 +31,8 @@ def rows(tmp, data):
     folder = str(tmp / "a-folder")
     os.makedirs(folder, exist_ok=True)
     table = [
+        (SCRIPTS, ["--task", str(tmp / "no-such-task.py")], {}, "--task"),
+        (SCRIPTS, ["--task", "no_such_module.task"], {}, "--task"),
         (SCRIPTS, ["--epochs", "0"], {}, "--epochs"),
         (SCRIPTS, ["--epochs", "-1"], {}, "--epochs"),
         (SCRIPTS, ["--epochs", "two"], {}, "--epochs"),

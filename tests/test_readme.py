@@ -174,8 +174,8 @@ def test_every_cited_path_and_link_exists():
             else:
                 path, _, anchor = target.partition("#")
                 assert (page.parent / path).exists(), f"{page.name}: link to missing {path}"
-                if path.endswith(".py"):  # a line: test_readme_links_point_at_the_ddp_lines
-                    assert re.fullmatch(r"L\d+", anchor), f"{page.name}: {target}"
+                if path.endswith(".py"):  # a whole file, or a line (the README's DDP tables)
+                    assert not anchor or re.fullmatch(r"L\d+", anchor), f"{page.name}: {target}"
                 elif anchor:
                     theirs = (page.parent / path).read_text()
                     assert anchor in {github_anchor(h) for h in re.findall(r"^#+ (.+)$", theirs, re.M)}, \
@@ -232,6 +232,9 @@ def test_readme_command_parses(command):
     assert prog == "python", f"{page}: a command the README test does not know: {words}"
     if words[1] == "-c":
         compile(words[2], "<readme>", "exec")
+    elif words[1:3] == ["-m", "venv"]:  # a virtual environment, then its activation
+        assert words[3:] == [".venv", "&&", ".", ".venv/bin/activate"], words
+        assert ".venv/" in (ROOT / ".gitignore").read_text().splitlines()
     elif words[1:3] == ["-m", "pytest"]:
         if "-m" in words[3:]:
             expr = words[words.index("-m", 3) + 1]

@@ -23,6 +23,8 @@ changes none of their results:
                         ("unknown": it reports nothing, as where torch cannot tell)
   DDP_TEST_NOT_LINUX=1  a stand-in for macOS and Windows: os.sched_getaffinity and
                         os.sched_setaffinity are gone and /proc cannot be read
+  DDP_TEST_NO_CHECK=1   harness.check_task does nothing: the scripts without the check of the
+                        task before training, to show that it leaves no trace
   DDP_TEST_NO_STOP=1    resumable.StopSignal never stops the run and runs no all-reduce: the
                         scripts without their per-step SIGTERM check, so that bench.py can
                         measure what the check costs (--with-env, see docs/speed.md)
@@ -149,6 +151,9 @@ def _patch_module(name, patch):
             return spec
     sys.meta_path.insert(0, _Patcher())
 
+
+if os.environ.get("DDP_TEST_NO_CHECK"):
+    _patch_module("harness", lambda harness: setattr(harness, "check_task", lambda *a, **k: None))
 
 if os.environ.get("DDP_TEST_NO_STOP"):
     def _no_stop_check(resumable):

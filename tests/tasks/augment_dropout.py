@@ -10,7 +10,9 @@ _mnist_datasets = make_datasets  # noqa: F821 (this file is appended to common.p
 
 def _log(kind, **row):
     folder = os.environ.get("DDP_TEST_TASK_LOG")
-    if folder:
+    # Training only: the check before training (harness.check_task, under no_grad) draws its
+    # first batch once more and runs the model once; test_the_check_leaves_no_trace covers it.
+    if folder and torch.is_grad_enabled():
         parent = torch.multiprocessing.parent_process()  # a data worker's: its training process
         row.update(rank=dist.get_rank() if dist.is_initialized() else None, pid=os.getpid(),
                    parent=parent and parent.pid)  # a data worker has no group: its parent's rank

@@ -1,8 +1,14 @@
-# A text-classification task for tests/test_other_tasks.py, appended to a copy of common.py the
-# way docs/your-own-task.md says, through the task's names only: token sequences of 5 to 60
-# tokens, samples as dicts (as Hugging Face datasets return them), a padding collate with an
-# attention mask, and a small Transformer with dropout. 2,000 samples of small tensors each.
-from torch.nn.utils.rnn import pad_sequence  # noqa: E402
+"""Text classification: token sequences of 5 to 60 tokens, samples as dicts (as Hugging Face
+datasets return them), a padding collate with an attention mask, and a small Transformer with
+dropout: a task for the scripts (docs/your-own-task.md).
+
+    torchrun --standalone --nproc-per-node=2 torchrun_ddp.py --task tasks/text.py --workers 2
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import Dataset
 
 VOCAB, CLASSES, PAD = 64, 4, 0
 
@@ -12,7 +18,7 @@ def add_task_flags(parser):
     parser.set_defaults(lr=0.003, batch_size=64)
 
 
-class Sentences(Dataset):  # noqa: F821 (this file is appended to common.py)
+class Sentences(Dataset):
     """Sequences whose label is the token that fills a quarter of the positions or more."""
 
     def __init__(self, n, seed):
@@ -42,13 +48,13 @@ def collate(samples):
         [s["label"] for s in samples])
 
 
-class Classifier(nn.Module):  # noqa: F821
+class Classifier(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed, self.position = nn.Embedding(VOCAB, 32), nn.Embedding(64, 32)  # noqa: F821
-        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)  # noqa: F821
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)  # noqa: F821
-        self.head = nn.Linear(32, CLASSES)  # noqa: F821
+        self.embed, self.position = nn.Embedding(VOCAB, 32), nn.Embedding(64, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, CLASSES)
 
     def forward(self, input_ids, attention_mask):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -63,7 +69,7 @@ def make_model(args):
 
 
 def loss_fn(output, target):
-    return F.cross_entropy(output, target)  # noqa: F821
+    return F.cross_entropy(output, target)
 
 
 def evaluate_batch(output, target):
