@@ -353,9 +353,11 @@ def check_task(model, loader, test_loader, device, world_size, channels_last=Fal
     """A task that does not fit the scripts (docs/your-own-task.md) fails here, before the first
     step, in one line that names the part that failed, with the task's own frames under it. In
     every process its first training batch goes through collate, the model in train mode and
-    loss_fn, and its first test batch through the model, evaluate_batch and summarize, with
-    warnings raised as errors (a loss whose output and target only broadcast to each other
-    warns). It leaves no trace: the model's buffers and the random generators are restored."""
+    loss_fn, and its first test batch through the model, evaluate_batch and summarize; warnings
+    in the task's own arithmetic (loss_fn, evaluate_batch, summarize) are raised as errors: a
+    loss whose output and target only broadcast to each other warns, where a model's forward
+    may warn of nothing wrong (a library's notices). It leaves no trace: the model's buffers
+    and the random generators are restored."""
     if len(test_loader.dataset) < world_size:
         raise Fatal(f"the test set has {len(test_loader.dataset)} samples, fewer than the "
                     f"{world_size} processes: each must evaluate at least one")
@@ -364,8 +366,7 @@ def check_task(model, loader, test_loader, device, world_size, channels_last=Fal
     gpu_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     step, output, target = "the dataset", None, None
     try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("error")
+        with torch.no_grad():
             for batches, train in ((loader, True), (test_loader, False)):
                 data = batches.dataset  # what the DataLoader's worker would do with a batch:
                 indices = list(itertools.islice(iter(batches.sampler), batches.batch_size))
@@ -378,17 +379,19 @@ def check_task(model, loader, test_loader, device, world_size, channels_last=Fal
                 model.train(train)
                 output = common.forward(model, common.to_device(inputs, device, channels_last))
                 target = target.to(device)
-                if train:
-                    step = "loss_fn(output, target)"
-                    loss = common.loss_fn(output, target)
-                    if torch.as_tensor(loss).numel() != 1:
-                        raise ValueError(f"it returned a tensor of shape {list(loss.shape)}, "
-                                         "not one number")
-                    continue
-                step = "evaluate_batch(output, target)"
-                sums = {k: float(v) for k, v in common.evaluate_batch(output, target).items()}
-                step = "summarize(sums)"
-                {k: float(v) for k, v in common.summarize(sums).items()}
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    if train:
+                        step = "loss_fn(output, target)"
+                        loss = common.loss_fn(output, target)
+                        if torch.as_tensor(loss).numel() != 1:
+                            raise ValueError(f"it returned a tensor of shape "
+                                             f"{list(loss.shape)}, not one number")
+                        continue
+                    step = "evaluate_batch(output, target)"
+                    sums = {k: float(v) for k, v in common.evaluate_batch(output, target).items()}
+                    step = "summarize(sums)"
+                    {k: float(v) for k, v in common.summarize(sums).items()}
     except Exception as e:
         detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         shapes = ""
