@@ -315,10 +315,8 @@ def check_args(args, elastic=False, cuda=None):
             resumable.check_same_run(args, ckpt, args.checkpoint)
         resumable.load_model_state(model, ckpt["model"], args.checkpoint, assign=True)
     gpu = gpu if cuda else None  # the device whose precision counts: that GPU, or the CPU
-    slow = slower_than_fp32(args.amp, gpu)  # --amp auto: settle_precision, once the job met
-    if notes and slow:
-        say(f"warning: --amp {args.amp} on this {'GPU' if cuda else 'CPU'} is slower than "
-            f"fp32: {slow}")
+    if notes:  # --amp auto: settle_precision decides, once the job has met
+        warn_if_slower(args.amp, gpu)
     if getattr(args, "master_port", None) and node_rank == 0:  # node 0 hosts the store there
         with socket.socket() as s:  # SO_REUSEADDR, as the store: a run that just ended (its
             if os.name != "nt":  # connections in TIME_WAIT) leaves the port free; on Windows
@@ -512,10 +510,7 @@ def settle_precision(args, ckpt, device, log=print):
         args.amp = ckpt["args"].get("amp", "none")
         log(f"precision: {PRECISION[args.amp]}, the precision the checkpoint was trained in "
             "(--amp auto)")
-        slow = slower_than_fp32(args.amp, gpu)
-        if slow:
-            say(f"warning: --amp {args.amp} on this {'GPU' if gpu is not None else 'CPU'} is "
-                f"slower than fp32: {slow}")
+        warn_if_slower(args.amp, gpu)
         return
     args.amp, why = auto_precision(gpu)
     if dist.is_initialized():  # the least capable device decides
@@ -531,6 +526,14 @@ def settle_precision(args, ckpt, device, log=print):
 
 
 PRECISION = {"bf16": "bf16 autocast", "fp16": "fp16 autocast with a GradScaler", "none": "fp32"}
+
+
+def warn_if_slower(amp, gpu):
+    """A warning line where --amp `amp` runs slower than fp32 on GPU number `gpu` (None: CPU)."""
+    slow = slower_than_fp32(amp, gpu)
+    if slow:
+        say(f"warning: --amp {amp} on this {'CPU' if gpu is None else 'GPU'} is slower than "
+            f"fp32: {slow}")
 
 
 def slower_than_fp32(amp, gpu):

@@ -50,7 +50,8 @@ changes none of their results:
                         in the process of global rank RANK, DDP_TEST_CPU_FEATURES is FEATURES
                         (asked once the process group exists): one machine of the job with
                         another CPU
-  The three print one line on stderr when they act ("test instrumentation: ...").
+  DDP_TEST_STALL, DDP_TEST_SKIP_REDUCE and DDP_TEST_LATE print one line on stderr when they
+  act ("test instrumentation: ...").
 With DDP_TEST_RECORD, every optimizer step also records the learning rate it used, and every
 training loss that common.loss_fn returns is recorded with its rank and its batch's size.
 """
