@@ -62,7 +62,7 @@ def command(script, world_size, v):
     # apex_ddp.py picks precision by --opt-level: O0 is fp32; natively O1 is fp16 on GPUs, bf16
     # on a CPU with bf16 instructions and fp32 on other CPUs
     native_o1 = ("fp16" if torch.cuda.is_available() else
-                 "bf16" if harness.fast_bf16_cpu() else "none")
+                 "bf16" if harness.computes_bf16(None)[0] else "none")
     if amp not in ("auto", "none", native_o1):  # auto: O1, which picks as --amp auto does
         return None
     return [*torchrun, f"{repo}/apex_ddp.py", "--opt-level", "O0" if amp == "none" else "O1"]
@@ -126,8 +126,8 @@ def spread(values, fmt="{:.1f}"):
 
 
 def machine():
-    """The CPU with the features that decide which precision pays (see harness.fast_bf16_cpu)."""
-    caps = harness.cpu_features()
+    """The CPU with the features that decide which precision pays (see harness.computes_bf16)."""
+    caps = getattr(torch.cpu, "get_capabilities", dict)()  # torch 2.4 has none
     cpu = caps.get("cpu_name") or platform.processor() or platform.machine()
     names = {"x86_64": (("AVX-512", "avx512_f"), ("AVX512_BF16", "avx512_bf16"), ("AMX", "amx_bf16")),
              "arm64": (("BF16", "bf16"), ("SVE", "sve"))}.get(caps.get("architecture"), ())

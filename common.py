@@ -6,7 +6,6 @@ import collections
 import math
 import os
 import secrets
-import struct
 import tempfile
 
 import torch
@@ -21,6 +20,12 @@ class Fatal(Exception):
     code = 2
 
 
+def reason(e, line=0):
+    """An exception in a few words: a line of its message (the first; -1: the last), or its type."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[line][:300] if lines else type(e).__name__
+
+
 # ---- 1. The task: MNIST. Replace these names, in place or by defining them again at the end
 # of this file; the scripts reach the task only through them (docs/your-own-task.md). ------------
 
@@ -33,37 +38,30 @@ def add_task_flags(parser):
     parser.set_defaults(channels_last=True)  # a convolutional network: NHWC is faster
 
 
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-               "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
 def prepare_data(args):
-    """Download MNIST if missing, and check its files; called once per machine before any process
-    reads them. Optional: a task whose make_datasets is not MNIST's has nothing prepared here."""
+    """Download MNIST if missing, and read it once, so that a missing or malformed file is one
+    line here, not one per process; called once per machine before any process reads the data.
+    Optional: a task whose make_datasets is not MNIST's has nothing prepared here."""
     if make_datasets is not mnist_datasets or args.dummy:
         return
+    from torchvision.datasets import MNIST  # not at the top: 1.5 s for a process without MNIST
     raw = os.path.join(args.data_dir, "MNIST", "raw")
-    if not all(os.path.exists(os.path.join(raw, f)) for f in MNIST_FILES):
-        from torchvision.datasets import MNIST
+    files = [os.path.splitext(name)[0] for name, _ in MNIST.resources]  # without .gz
+    if not all(os.path.exists(os.path.join(raw, f)) for f in files):
         try:  # into a private folder, then moved in: machines sharing a disk never collide
             os.makedirs(raw, exist_ok=True)
             with tempfile.TemporaryDirectory(prefix=".download-", dir=args.data_dir) as tmp:
-                MNIST(tmp, train=True, download=True)
-                for f in MNIST_FILES:
+                MNIST(tmp, download=True)
+                for f in files:
                     os.replace(os.path.join(tmp, "MNIST", "raw", f), os.path.join(raw, f))
         except Exception as e:
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise Fatal(f"MNIST is not in {raw} (needs {', '.join(MNIST_FILES)}) and could not "
-                        f"be downloaded ({reason}); copy the files there, or use --dummy") from None
-    for split in ("train", "t10k"):  # what torchvision would fail on with a bare AssertionError
-        images = read_idx(os.path.join(raw, f"{split}-images-idx3-ubyte"))
-        labels = read_idx(os.path.join(raw, f"{split}-labels-idx1-ubyte"))
-        if labels.numel() and labels.max() > 9:
-            raise Fatal(f"{raw}/{split}-labels-idx1-ubyte holds labels up to {labels.max()}; "
-                        "MNIST's are 0-9")
-        if len(images) != len(labels):
-            raise Fatal(f"{raw}/{split}-*: {len(images)} images but {len(labels)} labels")
+            raise Fatal(f"MNIST is not in {raw} (needs {', '.join(files)}) and could not be "
+                        f"downloaded ({reason(e, -1)}); copy the files there, or use --dummy") \
+                from None
+    read_mnist(args.data_dir)  # once: a malformed file is said here
 
 
 def make_datasets(args):
@@ -75,10 +73,29 @@ def make_datasets(args):
         y = torch.randint(0, 10, (70000,), generator=g)
         x = (templates[y] + torch.randn(70000, 28, 28, generator=g) * 60).clamp(0, 255)
         return InMemoryMNIST(x[:60000], y[:60000]), InMemoryMNIST(x[60000:], y[60000:])
-    raw = os.path.join(args.data_dir, "MNIST", "raw")  # checked by prepare_data
-    return tuple(InMemoryMNIST(read_idx(os.path.join(raw, f"{split}-images-idx3-ubyte")),
-                               read_idx(os.path.join(raw, f"{split}-labels-idx1-ubyte")))
-                 for split in ("train", "t10k"))
+    return tuple(InMemoryMNIST(x, y) for x, y in read_mnist(args.data_dir))
+
+
+def read_mnist(root):
+    """MNIST's (images, labels) for training and for testing, as torchvision reads them (its
+    .data and .targets), checked: a malformed file is one line."""
+    from torchvision.datasets import MNIST
+    pairs = []
+    for split in ("train", "t10k"):
+        files = os.path.join(root, "MNIST", "raw", f"{split}-*-ubyte")
+        try:
+            mnist = MNIST(root, train=split == "train")
+        except Exception as e:  # torchvision's own checks: bare asserts, a tensor's view
+            raise Fatal(f"{files}: not MNIST files, as torchvision reads them ({reason(e)})") \
+                from None
+        x, y = mnist.data, mnist.targets
+        if len(x) != len(y):
+            raise Fatal(f"{files}: {len(x)} images but {len(y)} labels")
+        if x.shape[1:] != (28, 28) or (len(y) and y.max() > 9):
+            raise Fatal(f"{files}: {x.shape[1]}x{x.shape[2]} images, labels up to {y.max()}; "
+                        "MNIST's are 28x28, 0-9")
+        pairs.append((x, y))
+    return pairs
 
 
 mnist_datasets = make_datasets  # what prepare_data prepares for
@@ -179,25 +196,6 @@ class InMemoryMNIST(Dataset):
         return self.images[index], self.labels[index]
 
 
-def read_idx(path):
-    """An uncompressed IDX file (MNIST's format: magic 0x00000803 for images, 0x00000801 for
-    labels, then the sizes) as a uint8 tensor; a malformed file is one line."""
-    ndim, kind = (3, "image") if "images" in os.path.basename(path) else (1, "label")
-    with open(path, "rb") as f:
-        header = f.read(4 + 4 * ndim)
-        if len(header) < 4 + 4 * ndim or header[:4] != bytes([0, 0, 8, ndim]):
-            raise Fatal(f"{path} is not an MNIST {kind} file: it starts with "
-                        f"0x{header[:4].hex() or '(nothing)'}, not 0x0000080{ndim}")
-        dims = struct.unpack(f">{ndim}I", header[4:])
-        if ndim == 3 and dims[1:] != (28, 28):
-            raise Fatal(f"{path} holds {dims[1]}x{dims[2]} images; MNIST's are 28x28")
-        size, expected = os.fstat(f.fileno()).st_size, len(header) + math.prod(dims)
-        if size != expected:
-            raise Fatal(f"{path} is {'truncated' if size < expected else 'too long'}: "
-                        f"{size} bytes, its header says {expected}")
-        return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8).view(*dims)
-
-
 # ---- 2. The helpers the scripts share (the lesson takes save_checkpoint, and runs the rest) ---
 
 def to_device(inputs, device, channels_last=False):
@@ -269,17 +267,15 @@ def save_checkpoint(state, path):
     tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
     try:
         with open(tmp, "xb") as f:
-            torch.save(state, f)  # a file, not a path: a failed write raises OSError with its cause
+            torch.save(state, f)  # a file, not a path: a failed write is an OSError of Python's
             f.flush()
             os.fsync(f.fileno())  # on the disk before the rename makes it the checkpoint
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
-        cause = e  # a failed write inside torch.save surfaces as the zip writer's RuntimeError
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__context__
+    except (OSError, RuntimeError) as e:  # torch.save raises the zip writer's RuntimeError,
+        cause = e.__context__ if isinstance(e, RuntimeError) else e  # the OSError its context
         if os.path.exists(tmp):
             os.remove(tmp)
-        if cause is None:
+        if not isinstance(cause, OSError):
             raise
         raise Fatal(f"could not write the checkpoint {path} ({cause.strerror or cause}); the "
                     "previous one, if any, is intact") from None
@@ -293,8 +289,7 @@ def load_checkpoint(path):
     except FileNotFoundError:
         raise Fatal(f"no checkpoint at {path}") from None
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise Fatal(f"checkpoint {path} is corrupt or truncated ({reason[:200]})") from None
+        raise Fatal(f"checkpoint {path} is corrupt or truncated ({reason(e)[:200]})") from None
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise Fatal(f"{path} is not a checkpoint of these scripts (no 'model' entry)")
     return ckpt

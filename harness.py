@@ -4,7 +4,6 @@ script itself must say, and reporting. The lesson never needs to open this file.
 import argparse
 import contextlib
 import importlib
-import inspect
 import itertools
 import json
 import math
@@ -338,7 +337,8 @@ def check_args(args, elastic=False, cuda=None):
         except FileExistsError:
             pass
         except OSError as e:
-            raise Fatal(f"{flag} {path}: cannot create the folder {folder} ({e.strerror})") from None
+            raise Fatal(f"{flag} {path}: cannot create the folder {folder} ({e.strerror})") \
+                from None
         try:
             tempfile.TemporaryFile(dir=folder).close()
             if os.path.exists(path) and not os.access(path, os.W_OK):
@@ -414,17 +414,12 @@ def check_task(model, loader, test_loader, device, world_size, channels_last=Fal
 
 
 def task_frames(tb):
-    """The frames of a traceback that are the task's: in the files that define its names (a
-    --task file, common.py's task section or a task appended to it), not the scripts', torch's,
-    or common.py's helpers; as Python prints them, without the header."""
+    """The frames of a traceback in the files that define the task's names (a --task file, or
+    common.py), not the scripts', harness's or torch's; as Python prints them, without the
+    header."""
     files = {fn.__code__.co_filename for fn in (getattr(common, name) for name in SEAM)
              if hasattr(fn, "__code__")}
-    lines, first = inspect.getsourcelines(common.load_checkpoint)  # the helpers' last one
-    with open(common.__file__) as f:
-        start = next(i for i, line in enumerate(f, 1) if line.startswith("# ---- 2"))
-    helpers = range(start, first + len(lines))
-    kept = [f for f in traceback.extract_tb(tb) if f.filename in files and not (
-        os.path.samefile(f.filename, common.__file__) and f.lineno in helpers)]
+    kept = [f for f in traceback.extract_tb(tb) if f.filename in files]
     return "".join(traceback.format_list(kept)).rstrip()
 
 
@@ -452,50 +447,28 @@ def cpu_count():
     return os.cpu_count() or 1
 
 
-def cpu_features():
-    """The CPU features PyTorch detects (torch.cpu.get_capabilities; {} where it has none)."""
-    get = getattr(torch.cpu, "get_capabilities", None)
-    return dict(get()) if get else {}
-
-
 BF16_CPU = {"avx512_bf16": "AVX512_BF16", "amx_bf16": "AMX", "bf16": "BF16", "sve_bf16": "SVE BF16"}
+PRECISION = {"bf16": "bf16 autocast", "fp16": "fp16 autocast with a GradScaler", "none": "fp32"}
 
 
-def bf16_cpu_features():
-    """The features by which this CPU computes bfloat16 (AVX512_BF16 or AMX on x86, BF16 on
-    ARM); without one, autocast emulates bf16, slower than fp32. None: torch cannot tell."""
-    caps = cpu_features()
-    return [name for key, name in BF16_CPU.items() if caps.get(key)] if caps else None
-
-
-def fast_bf16_cpu():
-    """Whether this CPU computes bfloat16; unknown: assume it does (no warning for --amp bf16)."""
-    found = bf16_cpu_features()
-    return found is None or bool(found)
-
-
-def gpu_computes_bf16(gpu):
-    """Whether GPU number `gpu` has bfloat16 arithmetic (compute capability 8.0, Ampere, or
-    later), asked by index: not a query of the current device, GPU 0 before set_device."""
-    return torch.cuda.get_device_capability(gpu) >= (8, 0)
-
-
-def auto_precision(gpu):
-    """--amp auto: ("bf16", why) where the device computes bfloat16, else ("none", why). `gpu`:
-    the index of the GPU it trains on, or None for the CPU."""
+def computes_bf16(gpu):
+    """(whether the device computes bfloat16, what it has or lacks, in words) for GPU number
+    `gpu`, asked by index (not the current device: GPU 0 before set_device), or for the CPU
+    (None), where autocast emulates bf16, slower than fp32, without AVX512_BF16 or AMX (x86) or
+    BF16 (ARM). None for a CPU this torch cannot tell about (2.4: no get_capabilities)."""
     if gpu is not None:
         name = torch.cuda.get_device_name(gpu)
-        if gpu_computes_bf16(gpu):
-            return "bf16", f"bf16 autocast, as the {name} computes bfloat16"
-        return "none", f"fp32, as the {name} has no bfloat16 arithmetic (Ampere and later have)"
-    found = bf16_cpu_features()
+        if torch.cuda.get_device_capability(gpu) >= (8, 0):  # Ampere on
+            return True, f"the {name} computes bfloat16"
+        return False, f"the {name} has no bfloat16 arithmetic (Ampere and later have)"
+    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    found = [name for key, name in BF16_CPU.items() if caps.get(key)]
     if found:
-        return "bf16", f"bf16 autocast, as this CPU has {' and '.join(found)}"
-    if found is None:
-        return "none", f"fp32, as torch {torch.__version__} cannot tell whether this CPU has " \
-                       "bfloat16 instructions"
-    return "none", "fp32, as this CPU has no bfloat16 instructions (AVX512_BF16, AMX or ARM " \
-                   "BF16): emulated bf16 would be slower"
+        return True, f"this CPU has {' and '.join(found)}"
+    if not caps:
+        return None, f"torch {torch.__version__} cannot tell whether this CPU has bfloat16 " \
+                     "instructions"
+    return False, "this CPU has no bfloat16 instructions (AVX512_BF16, AMX or ARM BF16)"
 
 
 def settle_precision(args, ckpt, device, log=print):
@@ -512,40 +485,27 @@ def settle_precision(args, ckpt, device, log=print):
             "(--amp auto)")
         warn_if_slower(args.amp, gpu)
         return
-    args.amp, why = auto_precision(gpu)
+    fast, why = computes_bf16(gpu)
+    args.amp = "bf16" if fast else "none"
     if dist.is_initialized():  # the least capable device decides
-        mine = torch.tensor([args.amp == "bf16"], dtype=torch.uint8, device=device)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        common.recent.extend([mine, *every])
-        dist.all_gather(every, mine)
-        lacking = [str(r) for r, t in enumerate(every) if not t.item()]
+        every = [fast] * dist.get_world_size()
+        dist.all_gather_object(every, fast)
+        lacking = [str(r) for r, f in enumerate(every) if not f]
         if lacking and args.amp == "bf16":
-            args.amp, why = "none", f"fp32, as the device of rank(s) {', '.join(lacking)} " \
-                                    "has no bfloat16 arithmetic and all train in one precision"
-    log(f"precision: {why} (--amp auto; --amp none: fp32)")
-
-
-PRECISION = {"bf16": "bf16 autocast", "fp16": "fp16 autocast with a GradScaler", "none": "fp32"}
+            args.amp, why = "none", f"the device of rank(s) {', '.join(lacking)} has no " \
+                                    "bfloat16 arithmetic and all train in one precision"
+    log(f"precision: {PRECISION[args.amp]}, as {why} (--amp auto; --amp none: fp32)")
 
 
 def warn_if_slower(amp, gpu):
     """A warning line where --amp `amp` runs slower than fp32 on GPU number `gpu` (None: CPU)."""
-    slow = slower_than_fp32(amp, gpu)
-    if slow:
-        say(f"warning: --amp {amp} on this {'CPU' if gpu is None else 'GPU'} is slower than "
-            f"fp32: {slow}")
-
-
-def slower_than_fp32(amp, gpu):
-    """Why --amp `amp` runs slower than fp32 on GPU number `gpu` (None: the CPU), or None."""
-    if amp == "bf16" and gpu is not None and not gpu_computes_bf16(gpu):
-        return (f"{torch.cuda.get_device_name(gpu)} has no bfloat16 arithmetic (compute "
-                "capability 8.0, Ampere, or later) and emulates it; use fp16")
+    fast, why = computes_bf16(gpu) if amp == "bf16" else (None, "")
     if amp == "fp16" and gpu is None:
-        return "float16 autocast on a CPU ran many times slower than fp32 (docs/training.md)"
-    if amp == "bf16" and gpu is None and not fast_bf16_cpu():
-        return "it has no bfloat16 instructions (AVX512_BF16, AMX or ARM BF16), so bf16 is emulated"
-    return None
+        fast, why = False, "float16 autocast on a CPU ran many times slower (docs/training.md)"
+    if fast is False:
+        say(f"warning: --amp {amp} on this {'CPU' if gpu is None else 'GPU'} is slower than "
+            f"fp32: {why}{', so bf16 is emulated' * (amp == 'bf16')}"
+            f"{'; use fp16' * (gpu is not None)}")
 
 
 # ---- Where the processes meet, where the script itself says -----------------------------------

@@ -131,14 +131,11 @@ def agreed_checkpoint(args, wish, device, log=print):
     path = args.checkpoint
     ckpt = common.load_checkpoint(path) if wish and path and os.path.exists(path) else None
     node = int(os.environ.get("GROUP_RANK", getattr(args, "node_rank", 0)))  # torchrun's, spawn's
-    run = mix(*sorted(run_flags(args).items()))
-    everyone = [(wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)), node, run)]
+    mine = (wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)), node,
+            run_flags(args))
+    everyone = [mine] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
-        mine = torch.tensor(everyone[0], device=device)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        common.recent.extend([mine, *gathered])
-        dist.all_gather(gathered, mine)
-        everyone = [tuple(t.tolist()) for t in gathered]
+        dist.all_gather_object(everyone, mine)
     # A refusal is said once per node, by its first process; the others end quietly.
     says = dist.get_rank() == next(r for r, e in enumerate(everyone) if e[3] == node) \
         if dist.is_initialized() else True

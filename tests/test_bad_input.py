@@ -112,14 +112,15 @@ def rows(tmp, data):
     ]
     if not torch.cuda.is_available():
         table.append((SCRIPTS, ["--sync-bn"], {}, "--sync-bn"))
-    # Malformed MNIST files: each names the file and what is wrong with it.
+    # Malformed MNIST files: each names the files of its split, and what is wrong if it can.
     for name, (broken, fragment) in malformed(tmp, data).items():
         table.append((SCRIPTS, ["--data-dir", str(broken)], {}, fragment))
     return [(s, argv, env, text) for scripts, argv, env, text in table for s in scripts]
 
 
 def malformed(tmp, data):
-    """Copies of the tiny MNIST with one file broken: {case: (data dir, expected fragment)}."""
+    """Copies of the tiny MNIST with one file broken: {case: (data dir, expected fragment)}. What
+    torchvision cannot read is named by its split; what it reads but is not MNIST, by the fault."""
     raw = os.path.join("MNIST", "raw")
     labels, images = "train-labels-idx1-ubyte", "train-images-idx3-ubyte"
     cases = {}
@@ -134,22 +135,22 @@ def malformed(tmp, data):
     cases["count mismatch"] = (d, f"{N_TRAIN} images but {N_TRAIN - 1} labels")
     d, r = copy("magic")
     (r / images).write_bytes(b"\x00\x00\x08\x01" + (r / images).read_bytes()[4:])
-    cases["wrong magic"] = (d, f"{r / images} is not an MNIST image file")
+    cases["wrong magic"] = (d, f"{r / 'train-*-ubyte'}: not MNIST files")
     d, r = copy("dims")
     write_idx(r / images, torch.zeros(N_TRAIN, 32, 32))
     cases["wrong dimensions"] = (d, "32x32 images")
     d, r = copy("garbage")
     (r / "t10k-images-idx3-ubyte").write_bytes(os.urandom(5000))
-    cases["garbage"] = (d, "t10k-images-idx3-ubyte is not an MNIST image file")
+    cases["garbage"] = (d, f"{r / 't10k-*-ubyte'}: not MNIST files")
     d, r = copy("empty")
     (r / labels).write_bytes(b"")
-    cases["empty"] = (d, f"{r / labels} is not an MNIST label file")
+    cases["empty"] = (d, f"{r / 'train-*-ubyte'}: not MNIST files")
     d, r = copy("truncated")
     (r / images).write_bytes((r / images).read_bytes()[:-100])
-    cases["truncated"] = (d, "is truncated")
+    cases["truncated"] = (d, f"{r / 'train-*-ubyte'}: not MNIST files")
     d, r = copy("long")
     (r / images).write_bytes((r / images).read_bytes() + b"\0" * 10)
-    cases["trailing bytes"] = (d, "is too long")
+    cases["trailing bytes"] = (d, f"{r / 'train-*-ubyte'}: not MNIST files")
     d, r = copy("label")
     write_idx(r / labels, torch.full((N_TRAIN,), 12))
     cases["label out of range"] = (d, "labels up to 12")

@@ -7,6 +7,7 @@ just ended, the resume decision of a single process, and SIGTERM without a check
 multi-process behaviour is tested by launching the scripts (test_data_loading.py and the
 per-script files)."""
 import argparse
+import multiprocessing
 import os
 import random
 import re
@@ -37,8 +38,8 @@ def args_for(data=None, launcher="dp", **kw):
 # ---- the MNIST task ----------------------------------------------------------------------
 
 def test_mnist_is_read_as_torchvision_reads_it(tiny_mnist):
-    """common.read_idx (no torchvision import in every process) gives what torchvision's own
-    MNIST reader gives, and the batched fetch equals the per-sample one."""
+    """common.make_datasets gives torchvision's MNIST (its .data and .targets), normalised, and
+    the batched fetch equals the per-sample one."""
     from torchvision.datasets import MNIST
     train, test = common.make_datasets(args_for(tiny_mnist))
     assert (len(train), len(test)) == (N_TRAIN, N_TEST)
@@ -148,7 +149,9 @@ class Whereabouts(Dataset):
 def test_workers_are_forked_once_with_sigterm_blocked_until_they_handle_it():
     """resumable.worker_options and start_workers: workers forked from this process (they share
     its memory), once for the whole run (the same two in every epoch), with SIGTERM blocked
-    while they start; each then ignores a SIGTERM from anybody but this process."""
+    while they start; each then ignores a SIGTERM from anybody but this process, and ends on one
+    from it: what multiprocessing's exit handler sends to daemonic children before it joins them
+    (a worker ignoring every SIGTERM would hang its training process at exit)."""
     assert resumable.worker_options(0) == {}
     loader = DataLoader(Whereabouts(), batch_size=1, num_workers=2,
                         **resumable.worker_options(2))
@@ -168,6 +171,12 @@ def test_workers_are_forked_once_with_sigterm_blocked_until_they_handle_it():
     time.sleep(0.5)
     assert [batch[0].tolist() for batch in loader] and all(os.path.exists(f"/proc/{p}")
                                                            for p in workers)
+    mine = [p for p in multiprocessing.active_children() if p.pid in workers]
+    assert len(mine) == 2
+    for p in mine:
+        p.terminate()
+        p.join(timeout=10)
+        assert p.exitcode == 0, p.exitcode
 
 
 def test_a_batched_dataset_is_passed_through_with_one_seed_per_batch():
