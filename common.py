@@ -10,9 +10,16 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose (the lesson's and the scripts' processes
+# import this file first): it binds `group.WORLD` as a default argument when first imported.
+# DDP's constructor imports it (through torch._dynamo), and so does torchvision; imported after
+# init_process_group, it pins the live group, destroy_process_group cannot free it, and gloo's
+# threads run on into interpreter shutdown, where they can abort the process (exit -6).
+# tests/test_shutdown.py.
+import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 
 class Fatal(Exception):
@@ -177,23 +184,17 @@ class Net(nn.Module):
         return self.head(self.features(x))
 
 
-class InMemoryMNIST(Dataset):
+class InMemoryMNIST(TensorDataset):
     """MNIST as normalised tensors in memory. DataLoader asks `__getitems__` for a whole batch
     at once, which here is one indexing operation: no per-image Python work."""
 
     def __init__(self, images, labels):
-        self.images = ((images.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
-        self.labels = labels.long()
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.images[index], self.labels[index]
+        super().__init__(((images.float() / 255 - MNIST_MEAN) / MNIST_STD).unsqueeze(1),
+                         labels.long())
+        self.images, self.labels = self.tensors
 
     def __getitems__(self, indices):
-        index = torch.as_tensor(indices)
-        return self.images[index], self.labels[index]
+        return self[torch.as_tensor(indices)]
 
 
 # ---- 2. The helpers the scripts share (the lesson takes save_checkpoint, and runs the rest) ---

@@ -4,7 +4,6 @@ script itself must say, and reporting. The lesson never needs to open this file.
 import argparse
 import contextlib
 import importlib
-import itertools
 import json
 import math
 import os
@@ -22,11 +21,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-# Imported before any process group exists, on purpose: it binds `group.WORLD` as a default
-# argument when first imported. DDP's constructor imports it (through torch._dynamo); then it
-# pins the live group, destroy_process_group cannot free it, and gloo's threads run on into
-# interpreter shutdown, where they can abort the process (exit -6). tests/test_shutdown.py.
-import torch.distributed.nn  # noqa: F401
 
 import common
 import resumable
@@ -79,8 +73,7 @@ def clean_exit(who=""):
     except Exception as e:
         if isinstance(e, dist.DistError) or (  # a peer died or never came, a port is taken;
                 isinstance(e, RuntimeError) and any(m in str(e) for m in GLOO_LOST_PEER)):
-            line = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            line = re.sub(r"^\[\S+\] ", "", line.strip())  # without gloo's "[source.cc:123] "
+            line = re.sub(r"^\[\S+\] ", "", common.reason(e))  # without gloo's "[source.cc:123] "
             say(f"{who}error: distributed: {line[:300]}")  # (gloo: a plain RuntimeError)
             sys.stdout.flush()  # the group is broken: no teardown, where gloo's threads can abort
             os._exit(1)
@@ -360,14 +353,13 @@ def check_task(model, loader, test_loader, device, world_size, channels_last=Fal
         raise Fatal(f"the test set has {len(test_loader.dataset)} samples, fewer than the "
                     f"{world_size} processes: each must evaluate at least one")
     buffers, training = [b.clone() for b in model.buffers()], model.training
-    rng = torch.get_rng_state(), random.getstate()
-    gpu_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    rng = random.getstate()  # torch's generators: fork_rng below
     step, output, target = "the dataset", None, None
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng([device] if device.type == "cuda" else []):
             for batches, train in ((loader, True), (test_loader, False)):
                 data = batches.dataset  # what the DataLoader's worker would do with a batch:
-                indices = list(itertools.islice(iter(batches.sampler), batches.batch_size))
+                indices = next(iter(batches.batch_sampler))
                 step, output = "the dataset", None
                 samples = data.__getitems__(indices) if callable(
                     getattr(data, "__getitems__", None)) else [data[i] for i in indices]
@@ -407,20 +399,19 @@ def check_task(model, loader, test_loader, device, world_size, channels_last=Fal
         for b, saved in zip(model.buffers(), buffers):
             b.copy_(saved)
         model.train(training)
-        torch.set_rng_state(rng[0])
-        random.setstate(rng[1])
-        if gpu_rng is not None:
-            torch.cuda.set_rng_state(gpu_rng, device)
+        random.setstate(rng)
 
 
 def task_frames(tb):
     """The frames of a traceback in the files that define the task's names (a --task file, or
-    common.py), not the scripts', harness's or torch's; as Python prints them, without the
-    header."""
+    common.py), less common.py's helpers that check_task calls; as Python prints them, without
+    the header."""
     files = {fn.__code__.co_filename for fn in (getattr(common, name) for name in SEAM)
              if hasattr(fn, "__code__")}
-    kept = [f for f in traceback.extract_tb(tb) if f.filename in files]
-    return "".join(traceback.format_list(kept)).rstrip()
+    helpers = {common.forward.__code__, common.to_device.__code__}
+    kept = [(frame, line) for frame, line in traceback.walk_tb(tb)
+            if frame.f_code.co_filename in files and frame.f_code not in helpers]
+    return "".join(traceback.StackSummary.extract(kept).format()).rstrip()
 
 
 # ---- The machine: devices, cores, precision. Portable: Linux, macOS, Windows. ----------------
@@ -488,9 +479,11 @@ def settle_precision(args, ckpt, device, log=print):
     fast, why = computes_bf16(gpu)
     args.amp = "bf16" if fast else "none"
     if dist.is_initialized():  # the least capable device decides
-        every = [fast] * dist.get_world_size()
-        dist.all_gather_object(every, fast)
-        lacking = [str(r) for r, f in enumerate(every) if not f]
+        mine = torch.tensor([args.amp == "bf16"], dtype=torch.uint8, device=device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        common.recent.extend([mine, *every])
+        dist.all_gather(every, mine)
+        lacking = [str(r) for r, t in enumerate(every) if not t.item()]
         if lacking and args.amp == "bf16":
             args.amp, why = "none", f"the device of rank(s) {', '.join(lacking)} has no " \
                                     "bfloat16 arithmetic and all train in one precision"

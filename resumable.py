@@ -131,11 +131,14 @@ def agreed_checkpoint(args, wish, device, log=print):
     path = args.checkpoint
     ckpt = common.load_checkpoint(path) if wish and path and os.path.exists(path) else None
     node = int(os.environ.get("GROUP_RANK", getattr(args, "node_rank", 0)))  # torchrun's, spawn's
-    mine = (wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)), node,
-            run_flags(args))
-    everyone = [mine] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized():
-        dist.all_gather_object(everyone, mine)
+    run = mix(*sorted(run_flags(args).items()))
+    everyone = [(wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)), node, run)]
+    if dist.is_initialized():  # tensors, not all_gather_object: nothing unpickled from others
+        mine = torch.tensor(everyone[0], device=device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        common.recent.extend([mine, *gathered])
+        dist.all_gather(gathered, mine)
+        everyone = [tuple(t.tolist()) for t in gathered]
     # A refusal is said once per node, by its first process; the others end quietly.
     says = dist.get_rank() == next(r for r, e in enumerate(everyone) if e[3] == node) \
         if dist.is_initialized() else True
@@ -215,7 +218,6 @@ def restore(ckpt, model, optimizer, scheduler, scaler, path, log=print):
 
 def load_model_state(model, state_dict, path, assign=False):
     """Strict load; a "module." prefix from an old DataParallel/DDP save is stripped first."""
-    state_dict = dict(state_dict)
     consume_prefix_in_state_dict_if_present(state_dict, "module.")
     try:
         model.load_state_dict(state_dict, assign=assign)
@@ -285,9 +287,9 @@ def seed_step(seed, epoch, step, rank):
     and again the same after a resume. Micro-batch k of --accumulate passes the rank that would
     compute it with N times the processes."""
     seed = mix(seed, epoch, step, rank)
-    torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.manual_seed(seed)  # this process's GPU (dropout on CUDA draws from it)
+    torch.default_generator.manual_seed(seed)  # (torch.manual_seed: 0.1 ms a call on a CPU)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout on a GPU draws from
+        torch.cuda.manual_seed_all(seed)  # its generator; DataParallel's replicas from theirs
 
 
 def micro_batches(inputs, target, n):
@@ -319,24 +321,16 @@ def worker_options(workers):
 
 def start_workers(*loaders):
     """The loaders' workers, started now, with an empty sampler (nothing is loaded until the
-    first epoch asks) and SIGTERM blocked in them until worker_init takes it over."""
-    with sigterm_blocked():
+    first epoch asks) and SIGTERM blocked in them until worker_init takes it over: blocked in
+    this thread meanwhile, as a signal mask survives fork (Windows has none)."""
+    if hasattr(signal, "pthread_sigmask"):
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
         for loader in loaders:
             if loader.num_workers:
                 sampler, loader.batch_sampler.sampler = loader.batch_sampler.sampler, []
                 iter(loader)
                 loader.batch_sampler.sampler = sampler
-
-
-@contextlib.contextmanager
-def sigterm_blocked():
-    """SIGTERM blocked in this thread, and in every process started meanwhile (a signal mask
-    survives fork); a no-op where there are no signal masks (Windows)."""
-    before = None
-    if hasattr(signal, "pthread_sigmask"):
-        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        yield
     finally:
         if hasattr(signal, "pthread_sigmask"):
             signal.pthread_sigmask(signal.SIG_SETMASK, before)

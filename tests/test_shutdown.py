@@ -15,9 +15,10 @@ pytestmark = pytest.mark.slow
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 RUNS = {  # script: (launcher, extra flags, blocked import)
-    "spawn_ddp.py": ((), ["--nproc-per-node", 2], None),
-    "torchrun_ddp.py": (TORCHRUN, [], None),
-    "apex_ddp.py": (TORCHRUN, [], "apex"),  # the native path
+    "spawn_ddp.py": ((), ["--nproc-per-node", 2, "--timeout", 30], None),
+    "torchrun_ddp.py": (TORCHRUN, ["--timeout", 30], None),
+    "apex_ddp.py": (TORCHRUN, ["--timeout", 30], "apex"),  # the native path
+    "lesson/ddp.py": (TORCHRUN, [], None),  # DDP and torchvision imported after its group
 }
 
 
@@ -44,7 +45,7 @@ def test_the_check_sees_gloo_threads(tmp_path):
 @pytest.mark.parametrize("script", RUNS)
 def test_no_gloo_thread_outlives_the_script(tiny_mnist, tmp_path, script):
     launcher, extra, block = RUNS[script]
-    run_script(script, "--data-dir", tiny_mnist, "--batch-size", 64, "--timeout", 30, *extra,
+    run_script(script, "--data-dir", tiny_mnist, "--batch-size", 64, *extra,
                launcher=launcher, block=block, record=tmp_path)
     exits = read_records(tmp_path, "exit")
     assert sorted(e["rank"] for e in exits) == [0, 1]  # both workers got to the end
