@@ -54,7 +54,7 @@ def prepare_data(args):
     Optional: a task whose make_datasets is not MNIST's has nothing prepared here."""
     if make_datasets is not mnist_datasets or args.dummy:
         return
-    from torchvision.datasets import MNIST  # not at the top: 1.5 s for a process without MNIST
+    from torchvision.datasets import MNIST  # not at the top: ~1 s for a process without MNIST
     raw = os.path.join(args.data_dir, "MNIST", "raw")
     files = [os.path.splitext(name)[0] for name, _ in MNIST.resources]  # without .gz
     if not all(os.path.exists(os.path.join(raw, f)) for f in files):
