@@ -28,9 +28,10 @@ class Fatal(Exception):
 
 
 def reason(e, line=0):
-    """An exception in a few words: a line of its message (the first; -1: the last), or its type."""
+    """An exception in a few words, as Python names it: its type, and a line of its message if it
+    has one (the first; -1: the last)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[line][:300] if lines else type(e).__name__
+    return f"{type(e).__name__}: {lines[line][:300]}" if lines else type(e).__name__
 
 
 # ---- 1. The task: MNIST. Replace these names, in place or by defining them again at the end

@@ -73,13 +73,13 @@ def clean_exit(who=""):
     except Exception as e:
         if isinstance(e, dist.DistError) or (  # a peer died or never came, a port is taken;
                 isinstance(e, RuntimeError) and any(m in str(e) for m in GLOO_LOST_PEER)):
-            line = re.sub(r"^\[\S+\] ", "", common.reason(e))  # without gloo's "[source.cc:123] "
+            line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            line = re.sub(r"^\[\S+\] ", "", line)  # without gloo's "[source.cc:123] "
             say(f"{who}error: distributed: {line[:300]}")  # (gloo: a plain RuntimeError)
             sys.stdout.flush()  # the group is broken: no teardown, where gloo's threads can abort
             os._exit(1)
-        first = next((ln for ln in str(e).splitlines() if ln.strip()), "").strip()
         frames = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)[1:]))
-        say(f"{who}error: {type(e).__name__}{': ' * bool(first)}{first[:300]}\n{frames.rstrip()}")
+        say(f"{who}error: {common.reason(e)}\n{frames.rstrip()}")
         code = 1
     if code is not None:
         leave_group()
@@ -383,7 +383,6 @@ def check_task(model, loader, test_loader, device, world_size, channels_last=Fal
                     step = "summarize(sums)"
                     {k: float(v) for k, v in common.summarize(sums).items()}
     except Exception as e:
-        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         shapes = ""
         if step.startswith("loss_fn") and torch.is_tensor(output) and torch.is_tensor(target) \
                 and output.shape != target.shape:
@@ -392,8 +391,8 @@ def check_task(model, loader, test_loader, device, world_size, channels_last=Fal
                 shapes = f"; output {list(output.shape)} and target {list(target.shape)} only " \
                          "broadcast to each other"
         frames = task_frames(e.__traceback__)
-        raise Fatal(f"the task does not fit the scripts: {step} raised {type(e).__name__}"
-                    f"{': ' * bool(detail)}{detail}{shapes} (docs/your-own-task.md)"
+        raise Fatal(f"the task does not fit the scripts: {step} raised {common.reason(e)}"
+                    f"{shapes} (docs/your-own-task.md)"
                     + f"\n{frames}" * bool(frames)) from None
     finally:
         for b, saved in zip(model.buffers(), buffers):
@@ -483,7 +482,7 @@ def settle_precision(args, ckpt, device, log=print):
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         common.recent.extend([mine, *every])
         dist.all_gather(every, mine)
-        lacking = [str(r) for r, t in enumerate(every) if not t.item()]
+        lacking = [str(r) for r, f in enumerate(torch.cat(every).tolist()) if not f]  # 1 wait
         if lacking and args.amp == "bf16":
             args.amp, why = "none", f"the device of rank(s) {', '.join(lacking)} has no " \
                                     "bfloat16 arithmetic and all train in one precision"

@@ -156,10 +156,11 @@ def agreed_checkpoint(args, wish, device, log=print):
         source = next(r for r, e in enumerate(everyone) if e[1:3] == newest)
         log(f"rank(s) {', '.join(map(str, behind))} had no copy of {path} at {newest[0]} "
             f"epoch(s) + {newest[1]} step(s): rank {source} sends its copy")
-        received = send_file(path, source, behind, [e[3] for e in everyone], device)
+        here = [r for r in behind if everyone[r][3] == node]  # this node's ranks without it
+        received = send_file(path, source, here, node, device)
         ckpt = common.load_checkpoint(received) if received else ckpt
         dist.barrier()  # every process of its node has mapped the copy: the writer removes it
-        if received and dist.get_rank() == min(r for r in behind if everyone[r][3] == node):
+        if received and dist.get_rank() == here[0]:
             with contextlib.suppress(OSError):  # (Windows cannot remove a mapped file)
                 os.remove(received)
     if not args.evaluate:
@@ -170,34 +171,35 @@ def agreed_checkpoint(args, wish, device, log=print):
     return ckpt
 
 
-def send_file(path, source, behind, nodes, device):
-    """Rank `source`'s file `path` to the ranks `behind`, in pieces of at most PIECE bytes (on
-    the GPU with NCCL); every rank takes part. The first rank behind on each node (`nodes`: each
-    rank's) writes the pieces to one file, beside `path` where that folder exists (else in the
-    temporary folder), and the others behind on its node read that copy: its name is returned
-    to each rank behind, None to the others."""
-    rank, node = dist.get_rank(), nodes[dist.get_rank()]
+def send_file(path, source, here, node, device):
+    """Rank `source`'s file `path`, in pieces of at most PIECE bytes (on the GPU with NCCL);
+    every rank takes part. The first of `here`, this node's ranks without the file, writes the
+    pieces to one file for node number `node`, beside `path` where that folder exists (else in
+    the temporary folder), and the others of `here` read that copy: its name is returned to
+    each of them, None to the other ranks."""
+    rank = dist.get_rank()
     size = torch.tensor([os.path.getsize(path) if rank == source else 0], device=device)
     common.recent.append(size)
     dist.broadcast(size, src=source)
-    buffer = torch.empty(min(PIECE, int(size)), dtype=torch.uint8, device=device)
+    size = int(size)  # (one wait for the device, not one a piece)
+    buffer = torch.empty(min(PIECE, size), dtype=torch.uint8, device=device)
     common.recent.append(buffer)
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     if not os.path.isdir(folder):  # a node without the checkpoint's folder
         folder, name = tempfile.gettempdir(), f"{mix(os.path.abspath(path)):x}-{name}"
     copy = os.path.join(folder, f".{name}.node{node}.received")
-    writes = rank in behind and rank == min(r for r in behind if nodes[r] == node)
+    writes = here[:1] == [rank]
     with open(path, "rb") if rank == source else contextlib.nullcontext() as f, \
             open(copy, "wb") if writes else contextlib.nullcontext() as out:
-        for offset in range(0, int(size), PIECE):
-            piece = buffer[:min(PIECE, int(size) - offset)]
+        for offset in range(0, size, PIECE):
+            piece = buffer[:min(PIECE, size - offset)]
             if rank == source:
                 piece.copy_(torch.frombuffer(bytearray(f.read(len(piece))), dtype=torch.uint8))
             dist.broadcast(piece, src=source)
             if out:
                 out.write(piece.cpu().numpy().tobytes())
     dist.barrier()  # the copy is whole before its node's other ranks read it
-    return copy if rank in behind else None
+    return copy if rank in here else None
 
 
 def restore(ckpt, model, optimizer, scheduler, scaler, path, log=print):

@@ -336,3 +336,10 @@ def test_an_argparse_namespace_is_all_a_task_needs():
     model = common.make_model(args)
     scheduler = common.make_scheduler(common.make_optimizer(model, args), args, 10)
     assert scheduler.get_last_lr()[0] < common.peak_lr(args)  # warming up
+
+
+def test_an_exception_in_a_few_words():
+    """common.reason, in every one-line error: the type, and a line of the message if any."""
+    assert common.reason(AssertionError()) == "AssertionError"  # torchvision's bare asserts
+    assert common.reason(ValueError("\n  first\nsecond")) == "ValueError: first"
+    assert common.reason(RuntimeError("Tried a, got:\nno route"), -1) == "RuntimeError: no route"
