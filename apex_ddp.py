@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
@@ -26,6 +27,9 @@ try:  # NOT `pip install apex`: that is an unrelated web package (docs/apex.md)
     import apex
     from apex import amp
     from apex.parallel import DistributedDataParallel as ApexDDP, convert_syncbn_model
+    # Built without its CUDA extension, apex falls back to a Python SyncBatchNorm that returns
+    # float32, which O2 and O3's half convolutions refuse: torch's nn.SyncBatchNorm then.
+    apex_syncbn = not hasattr(apex.parallel.SyncBatchNorm, "syncbn_import_error")
     apex_problem = None
 except Exception as e:  # missing, the wrong package, or a release without amp/parallel
     apex, apex_problem = None, f"{type(e).__name__}: {e}"
@@ -45,6 +49,9 @@ def main():
         use_apex, why = False, "native PyTorch: apex needs CUDA and there is no GPU"
     else:
         use_apex, why = True, f"apex ({apex.__file__}), amp opt level {args.opt_level}"
+        if args.sync_bn and not apex_syncbn:
+            why += "; --sync-bn: torch's nn.SyncBatchNorm, as apex has no syncbn extension " \
+                   "(built without --cuda_ext) and its Python SyncBatchNorm breaks O2 and O3"
     if use_apex and args.compile:  # amp patches torch functions at run time: never tried here
         raise common.Fatal("--compile is untested with apex's amp and DDP; add --native")
     # The opt level decides. Natively O0 is fp32 and O1-O3 autocast: float16 with a GradScaler
@@ -104,11 +111,12 @@ def train(local_rank, args, why):
     torch.manual_seed(args.seed)
     layout = torch.channels_last if args.channels_last else torch.preserve_format
     model = common.make_model(args).to(device, memory_format=layout)
-    harness.check_task(model, loader, test_loader, device, world_size, args.channels_last)
     # apex's order: model on the GPU, convert_syncbn_model, the optimizer, amp.initialize,
     # then (after any checkpoint is loaded) the DDP wrap.
     if args.sync_bn:  # native: nn.SyncBatchNorm.convert_sync_batchnorm
-        model = convert_syncbn_model(model)
+        model = convert_syncbn_model(model) if apex_syncbn else \
+            nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    harness.check_task(model, loader, test_loader, device, world_size, args.channels_last)
     optimizer = common.make_optimizer(model, args)
     # native: torch.autocast around the forward, and a GradScaler for float16.
     # O1 patches torch functions to cast per op; O2 keeps fp32 master weights.

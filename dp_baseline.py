@@ -52,7 +52,8 @@ def train(args):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     epoch, step = resumable.restore(ckpt, model, optimizer, scheduler, scaler, args.checkpoint,
                                     report.log)
-    net = nn.DataParallel(model, args.gpus) if len(args.gpus) > 1 else model  # docs/training.md
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    net = nn.DataParallel(harness.Autocast(model, amp), args.gpus) if cuda else model  # replicas
 
     def save(epoch, step):  # the plain model's state: no "module." prefix
         if args.checkpoint:
@@ -61,7 +62,6 @@ def train(args):
 
     if args.evaluate:  # the model in --checkpoint, on the test set, and nothing else
         report.record(epoch=epoch, evaluate=True, **common.evaluate(model, test_loader, device))
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     stop = resumable.StopSignal(args.checkpoint, device, steps)  # SIGTERM: stop, and save
     scale = scaler.get_scale()
     for epoch in range(epoch, epoch if args.evaluate else args.epochs):
@@ -80,7 +80,7 @@ def train(args):
             # --accumulate N: N micro-batches add up their gradients, then one optimizer step.
             for k, (x, y, share, last) in enumerate(
                     resumable.micro_batches(inputs, target, args.accumulate)):
-                resumable.seed_step(args.seed, epoch, step, rank + world_size * k)  # dropout
+                resumable.seed_step(args.seed, epoch, step, rank + world_size * k, args.gpus)
                 with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                     loss = common.loss_fn(common.forward(net, x), y)
                 scaler.scale(loss * share).backward()

@@ -127,6 +127,19 @@ positive_float = ranged(float, lambda v: 0 < v < math.inf, "a number > 0")
 natural_float = ranged(float, lambda v: 0 <= v < math.inf, "a number >= 0")
 
 
+def gpu_ids(text):
+    """--gpus: distinct ids of this machine's GPUs, "0,1" -> [0, 1]."""
+    ids = ranged(lambda t: [int(i) for i in t.split(",")], lambda v: all(i >= 0 for i in v),
+                 "comma-separated GPU ids")(text)
+    gpus = torch.cuda.device_count()
+    if len(set(ids)) < len(ids):
+        raise argparse.ArgumentTypeError(f"GPU ids must differ, got {text!r}")
+    if max(ids) >= gpus:
+        raise argparse.ArgumentTypeError(f"got {text!r}, but this machine has {gpus} GPU(s)" + (
+            f": ids 0 to {gpus - 1}" if gpus else ""))
+    return ids
+
+
 def parse_args(description, launcher, argv=None):
     """The flags of every script (docs/flags.md), those of `launcher` ("dp": one process;
     "spawn"; "torchrun"; "apex"), then the task's (common.add_task_flags, once --task, read
@@ -175,9 +188,7 @@ def parse_args(description, launcher, argv=None):
     a("--log-interval", type=positive_int, default=50, metavar="STEPS",
       help="progress line every this many steps" + d)
     if launcher == "dp":
-        a("--gpus", type=ranged(lambda t: [int(i) for i in t.split(",")], lambda v: all(
-            0 <= i < torch.cuda.device_count() for i in v), "comma-separated ids of this "
-            "machine's GPUs"), help="GPU ids, e.g. 0,1 (default: all)")
+        a("--gpus", type=gpu_ids, help="GPU ids, e.g. 0,1 (default: all)")
         p.set_defaults(save_on_each_node=False, timeout=None, join_timeout=None)
     else:
         a("--save-on-each-node", action="store_true", help="one checkpoint writer per node "
@@ -461,6 +472,20 @@ def computes_bf16(gpu):
     return False, "this CPU has no bfloat16 instructions (AVX512_BF16, AMX or ARM BF16)"
 
 
+class Autocast(torch.nn.Module):
+    """The model's forward under autocast with the job's dtype. DataParallel runs each replica
+    in a thread of its own, which enters autocast without a dtype (float16 on a GPU): the dtype
+    a thread chose does not reach another (pytorch/pytorch torch/nn/parallel/parallel_apply.py)."""
+
+    def __init__(self, model, dtype, device_type="cuda"):
+        super().__init__()
+        self.model, self.device_type, self.dtype = model, device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None):
+            return self.model(*args, **kwargs)
+
+
 def settle_precision(args, ckpt, device, log=print):
     """--amp auto, decided once for the whole job, after the process group formed, and said
     once: a resumed run keeps the precision it was trained in (the checkpoint's); a new one is
@@ -604,6 +629,8 @@ class Reporter:
                  f"{f', backend {dist.get_backend()}' if dist.is_initialized() else ''}, device "
                  f"{device.type}, {torch.get_num_threads()} thread(s) each"
                  f"{f', restart {restart} (TORCHELASTIC_RESTART_COUNT)' if restart else ''}")
+        if getattr(args, "gpus", None) and device.type == "cuda":  # dp_baseline.py
+            self.log(f"DataParallel over GPU(s) {args.gpus}, gathering on {device}")
         self.log(f"task {args.task or 'common.py'}")
         self.log(f"LR {args.lr:g} at batch {common.REFERENCE_BATCH} -> {common.peak_lr(args):.4g} "
                  f"at {args.batch_size} ({common.LR_RULES[args.lr_scaling]})")

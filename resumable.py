@@ -284,14 +284,15 @@ class PerSampleSeeds(Dataset):
         return self.dataset.__getitems__(indices)
 
 
-def seed_step(seed, epoch, step, rank):
+def seed_step(seed, epoch, step, rank, gpus=None):
     """Seeds this process's RNG before a forward pass: dropout draws differently on every rank,
     and again the same after a resume. Micro-batch k of --accumulate passes the rank that would
-    compute it with N times the processes."""
-    seed = mix(seed, epoch, step, rank)
-    torch.default_generator.manual_seed(seed)  # (torch.manual_seed: 0.1 ms a call on a CPU)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout on a GPU draws from
-        torch.cuda.manual_seed_all(seed)  # its generator; DataParallel's replicas from theirs
+    compute it with N times the processes. Dropout on a GPU draws from that GPU's generator:
+    this process's GPU, or each of `gpus` (DataParallel's replicas), each seeded on its own."""
+    torch.default_generator.manual_seed(mix(seed, epoch, step, rank))  # (torch.manual_seed:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # 0.1 ms a call on a CPU)
+        for i, gpu in enumerate([torch.cuda.current_device()] if gpus is None else gpus):
+            torch.cuda.default_generators[gpu].manual_seed(mix(seed, epoch, step, rank, i))
 
 
 def micro_batches(inputs, target, n):

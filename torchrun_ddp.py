@@ -70,9 +70,9 @@ def train(local_rank, args):
     torch.manual_seed(args.seed)
     layout = torch.channels_last if args.channels_last else torch.preserve_format
     model = common.make_model(args).to(device, memory_format=layout)
-    harness.check_task(model, loader, test_loader, device, world_size, args.channels_last)
-    if args.sync_bn:  # BatchNorm statistics over the global batch; converted before the wrap
+    if args.sync_bn:  # BatchNorm statistics over the global batch; converted before it runs
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    harness.check_task(model, loader, test_loader, device, world_size, args.channels_last)
     optimizer = common.make_optimizer(model, args)
     steps = len(loader)  # per epoch
     scheduler = common.make_scheduler(optimizer, args, steps)
@@ -83,6 +83,7 @@ def train(local_rank, args):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     epoch, step = resumable.restore(ckpt, model, optimizer, scheduler, scaler, args.checkpoint,
                                     report.log)
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     ddp = DDP(model, device_ids=[local_rank] if cuda else None)  # gradients averaged in backward
     net = torch.compile(ddp) if args.compile else ddp  # compiled after the wrap, as documented
 
@@ -94,7 +95,6 @@ def train(local_rank, args):
 
     if args.evaluate:  # the model in --checkpoint, on the test set, and nothing else
         report.record(epoch=epoch, evaluate=True, **common.evaluate(model, test_loader, device))
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     stop = resumable.StopSignal(args.checkpoint, device, steps)  # SIGTERM: stop, and save
     scale = scaler.get_scale()
     for epoch in range(epoch, epoch if args.evaluate else args.epochs):

@@ -45,7 +45,9 @@ def launch(script, nproc, data, *args, amp="none", **kw):
     """One run of `script` on the tiny MNIST with `nproc` processes (spawn_ddp.py spawns them,
     torchrun starts the others; dp_baseline.py is always one process over all its GPUs).
     apex_ddp.py runs its native path (--native): --opt-level O0 for fp32, O1 for fp16."""
-    flags = ["--data-dir", data, "--batch-size", 64, "--log-interval", 5, "--timeout", 60, *args]
+    flags = ["--data-dir", data, "--batch-size", 64, "--log-interval", 5, *args]
+    if script != "dp_baseline.py":  # one process has no peers to wait for: no --timeout
+        flags = ["--timeout", 60, *flags]
     kw.setdefault("timeout", 300)  # CUDA and NCCL start-up can take tens of seconds
     if script == "apex_ddp.py":
         flags += ["--native", "--opt-level", {"none": "O0", "fp16": "O1"}[amp]]
@@ -152,6 +154,66 @@ def test_dataparallel_on_a_chosen_gpu_stays_on_it(tiny_mnist, tmp_path):
     [proc] = workers(rec)
     assert proc["contexts"] == [i == last for i in range(GPUS)], proc
     assert [m > 0 for m in proc["max_allocated"]] == [i == last for i in range(GPUS)], proc
+
+
+@two_gpus
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_dataparallel_replicas_compute_in_the_jobs_precision(amp, tiny_mnist, tmp_path):
+    """DataParallel's replica threads enter autocast without a dtype, float16 on a GPU
+    (test_precision.py shows why on a CPU); harness.Autocast gives each replica the job's.
+    bf16: every replica's convolutions in bfloat16 and none in float16, no scaler; fp16: in
+    float16, with the GradScaler's state saved."""
+    if amp == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU does not compute bfloat16")
+    rec, ckpt, metrics = record_dir(tmp_path), tmp_path / "c.pt", tmp_path / "m.jsonl"
+    launch("dp_baseline.py", 1, tiny_mnist, "--checkpoint", ckpt, "--metrics", metrics, amp=amp,
+           DDP_TEST_GPU_RECORD=rec)
+    assert_trained(metrics, 1, 1)
+    [proc] = workers(rec)
+    assert all(m > 0 for m in proc["max_allocated"]), proc  # every GPU computed
+    dtypes = {"bf16": "bfloat16", "fp16": "float16"}
+    assert f"{CONV} {dtypes[amp]}" in proc["outputs"], proc["outputs"]
+    assert f"{CONV} {dtypes['fp16' if amp == 'bf16' else 'bf16']}" not in proc["outputs"]
+    assert bool(load_on_cpu(ckpt)["scaler"]) == (amp == "fp16")
+
+
+DROPOUT_TASK = """
+import json as _json
+import os as _os
+
+
+class _Dropped(nn.Module):
+    \"\"\"common.Net after a dropout mask of 64 draws, written to $MASKS at each training
+    forward with the GPU that drew it.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.drop = Net(), nn.Dropout(0.5)
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled():  # (not the check before training)
+            mask = self.drop(torch.ones(64, device=x.device)) > 0
+            with open(_os.environ["MASKS"], "a") as f:
+                f.write(_json.dumps({"gpu": x.device.index, "mask": mask.int().tolist()}) + "\\n")
+        return self.net(x)
+
+
+def make_model(args):
+    return _Dropped()
+"""
+
+
+@two_gpus
+def test_dataparallel_replicas_draw_their_own_dropout(tiny_mnist, tmp_path):
+    """Each step reseeds every GPU's generator (resumable.seed_step); seeded alike, the two
+    replicas would draw the same dropout masks for their halves of the batch."""
+    import json
+    repo, masks = conftest.with_task(tmp_path / "repo", DROPOUT_TASK), tmp_path / "masks.jsonl"
+    launch("dp_baseline.py", 1, tiny_mnist, "--gpus", "0,1", repo=repo, MASKS=masks)
+    rows = [json.loads(line) for line in masks.read_text().splitlines()]
+    drawn = {gpu: [r["mask"] for r in rows if r["gpu"] == gpu] for gpu in (0, 1)}
+    assert len(drawn[0]) == len(drawn[1]) == STEPS, rows
+    assert all(a != b for a, b in zip(drawn[0], drawn[1])), rows
 
 
 # ---- mixed precision -------------------------------------------------------------------------

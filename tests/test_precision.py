@@ -87,3 +87,31 @@ def test_apex_native_trains_in_the_chosen_precision(tiny_mnist, tmp_path, featur
                DDP_TEST_CPU_FEATURES=features)
     ckpt = load(tmp_path / "c.pt")
     assert ckpt["args"]["amp"] == amp and not ckpt["scaler"]
+
+
+def test_the_autocast_dtype_reaches_a_dataparallel_replica_only_through_its_module():
+    """DataParallel runs each replica's forward in a thread of its own, which enters autocast
+    without a dtype (torch/nn/parallel/parallel_apply.py, for CUDA). The dtype is thread-local:
+    a thread that enters autocast bare gets the device's default, not the one the main thread
+    chose. harness.Autocast enters it with the job's dtype inside the replicated module, and
+    so carries it. Shown here with the CPU's autocast, whose default is bfloat16 (CUDA's is
+    float16), in a thread of our own doing what parallel_apply does."""
+    import threading
+
+    seen = {}
+
+    class Probe(torch.nn.Module):
+        def forward(self, x, name):
+            seen[name] = torch.get_autocast_dtype("cpu")
+            return x
+
+    def replica(module, name):
+        with torch.autocast("cpu"):  # as parallel_apply enters it: enabled, no dtype
+            module(torch.ones(1), name)
+    with torch.autocast("cpu", dtype=torch.float16):  # the job's precision
+        for module, name in ((Probe(), "bare"),
+                             (harness.Autocast(Probe(), torch.float16, "cpu"), "wrapped")):
+            thread = threading.Thread(target=replica, args=(module, name))
+            thread.start()
+            thread.join()
+    assert seen == {"bare": torch.bfloat16, "wrapped": torch.float16}

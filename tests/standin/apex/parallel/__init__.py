@@ -26,6 +26,9 @@ class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
         self.require_backward_grad_sync = True
 
 
+SyncBatchNorm = torch.nn.SyncBatchNorm  # as apex with its syncbn extension (no import error)
+
+
 def convert_syncbn_model(module, process_group=None, channel_last=False):
     _log("parallel.convert_syncbn_model",
          batchnorms=sum(isinstance(m, torch.nn.BatchNorm2d) for m in module.modules()),
