@@ -306,6 +306,11 @@ def check_args(args, elastic=False, cuda=None):
                     "g++; install g++ or point CXX to one")  # else a traceback at the first step
     if (args.resume or args.evaluate or args.save_every) and not args.checkpoint:
         raise Fatal("--resume, --evaluate and --save-every need --checkpoint PATH")
+    writes = node_rank == 0 or args.save_on_each_node  # this node writes --checkpoint
+    if not (args.evaluate or args.resume or elastic) and writes and args.checkpoint \
+            and os.path.exists(args.checkpoint):  # (torchrun's resume it, if it is their run's)
+        raise Fatal(f"--checkpoint {args.checkpoint} exists: add --resume to continue its run, "
+                    "or give another path to start a new one")
     if (args.evaluate or args.resume) and local == world_size and not os.path.exists(
             args.checkpoint):  # on one machine it must be here (elsewhere: another node's)
         raise Fatal(f"no checkpoint at {args.checkpoint}")
@@ -330,7 +335,7 @@ def check_args(args, elastic=False, cuda=None):
                 raise Fatal(f"port {args.master_port} is already in use on this machine; choose "
                             "another --master-port") from None
     outputs = [("--metrics", args.metrics)] if node_rank == 0 else []
-    if not args.evaluate and (node_rank == 0 or args.save_on_each_node):
+    if not args.evaluate and writes:
         outputs.append(("--checkpoint", args.checkpoint))
     for flag, path in [(f, p) for f, p in outputs if p]:  # created (and said) or refused now
         folder = os.path.dirname(os.path.abspath(path))

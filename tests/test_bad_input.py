@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +29,9 @@ TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 def rows(tmp, data):
     """(scripts, argv, env, text the error line must contain). argv is appended to --dummy
     unless it names its own --data-dir."""
-    folder = str(tmp / "a-folder")
+    folder, existing = str(tmp / "a-folder"), str(tmp / "existing.pt")
     os.makedirs(folder, exist_ok=True)
+    Path(existing).write_bytes(b"another run's checkpoint")
     table = [
         (SCRIPTS, ["--task", str(tmp / "no-such-task.py")], {}, "--task"),
         (SCRIPTS, ["--task", "no_such_module.task"], {}, "--task"),
@@ -96,6 +98,11 @@ def rows(tmp, data):
         (("dp_baseline.py",), ["--gpus", "x"], {}, "--gpus"),
         (("dp_baseline.py",), ["--gpus", "7"], {}, "--gpus"),
         (("dp_baseline.py",), ["--gpus", "0,x"], {}, "--gpus"),
+        (("dp_baseline.py",), ["--gpus", "0,0"], {}, "GPU ids must differ"),
+        (("dp_baseline.py",), ["--gpus", "1"], {}, "but this machine has 0 GPU(s)"),
+        # a fresh run never overwrites a checkpoint (torchrun's resume theirs, refuse others')
+        (("dp_baseline.py", "spawn_ddp.py"), ["--checkpoint", existing], {},
+         f"--checkpoint {existing} exists: add --resume to continue its run, or give another"),
         (("dp_baseline.py",), ["--compile"], {}, "--compile"),  # DataParallel: not documented
         (("dp_baseline.py",), ["--timeout", "5"], {}, "--timeout"),  # one process: no peers
         (("dp_baseline.py",), ["--join-timeout", "5"], {}, "--join-timeout"),
@@ -177,7 +184,6 @@ def pytest_generate_tests(metafunc):
     """One test per row, named after it (the table's temporary paths shown as TMP)."""
     if "row" in metafunc.fixturenames:
         import tempfile
-        from pathlib import Path
         with tempfile.TemporaryDirectory() as d:
             data = make_tiny_mnist(Path(d) / "mnist", n_train=N_TRAIN, n_test=N_TEST)
             ids = [f"{s} {' '.join(a)}".replace(d, "TMP") for s, a, _, _ in rows(Path(d), data)]

@@ -3,7 +3,8 @@ checkpoint"). A resume, an elastic restart or a requeue continues only the run t
 flag that defines the run (resumable.NOT_THE_RUN lists those that do not) given another value
 is refused in one `error:` line that names each one with both values, before anything is
 written, and the checkpoint stays byte for byte as it was. The same command again continues;
-another world size is the same run; --evaluate compares nothing."""
+another world size is the same run; --evaluate compares nothing. A fresh run (no --resume) of
+spawn_ddp.py or dp_baseline.py never overwrites one."""
 import subprocess
 import sys
 
@@ -60,6 +61,20 @@ def test_a_resume_with_other_flags_is_refused_in_one_line(first_epoch, tiny_mnis
     [line] = both["stderr"].splitlines()
     assert "--batch-size 64 in the checkpoint, 128 now; --seed 0 in the checkpoint, 5 now." in line
     assert ok["started"] and ok["code"] == 0, ok
+    assert ckpt.read_bytes() == before
+
+
+@pytest.mark.parametrize("script", ["dp_baseline.py", "spawn_ddp.py"])
+def test_a_fresh_run_never_overwrites_a_checkpoint(first_epoch, tiny_mnist, script):
+    """Without --resume, an existing --checkpoint (this run's or another's) is refused in one
+    line that says how to go on, before anything starts; the file stays as it was."""
+    ckpt, before = first_epoch
+    [r] = run_mains(script, [{"argv": ["--data-dir", str(tiny_mnist), *map(str, BASE),
+                                       "--checkpoint", str(ckpt)]}])
+    assert r["code"] == 2 and not r["started"], r
+    assert r["stderr"].splitlines() == [f"error: --checkpoint {ckpt} exists: add --resume to "
+                                        "continue its run, or give another path to start a "
+                                        "new one"], r
     assert ckpt.read_bytes() == before
 
 
