@@ -79,8 +79,8 @@ def train(local_rank, args, why):
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = harness.process_device(local_rank, nproc)  # its own GPU, or its share of the cores
     cuda = device.type == "cuda"
-    # torchrun's environment is all init_process_group needs; torchrun_store adds two things
-    store = harness.torchrun_store(args, world_size, nproc)
+    # torchrun's environment is all init_process_group needs; torchrun_store adds a meeting
+    store = harness.torchrun_store(args, world_size, nproc, device)
     node = f"prepared/{os.environ.get('GROUP_RANK', 0)}"
     if local_rank == 0:  # the first process of each machine downloads, before any reads the data
         common.prepare_data(args)
@@ -199,5 +199,5 @@ def loss_scale():
 
 
 if __name__ == "__main__":
-    with harness.clean_exit(f"[rank {os.environ.get('RANK', 0)}] "):
+    with harness.clean_exit(f"[rank {os.environ.get('RANK')}] " * ("RANK" in os.environ)):
         main()

@@ -9,6 +9,7 @@ import math
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -88,14 +89,16 @@ def clean_exit(who=""):
 
 def leave_group():
     """Leaves the process group at once. gloo's is destroyed: its connections close, and the
-    others' collectives fail. NCCL's is aborted where torch can (2.6 on: its destroy waits for
-    the others' work to finish, which a failed process never will; 2.4's destroy aborts)."""
+    others' collectives fail. NCCL's is aborted: from 2.6 on, destroy waits for the others'
+    work to finish, which a failed process never will, and the abort is given the world group
+    by name (2.6's abort of no group aborts the default one's backend and leaves the rest); in
+    2.4 and 2.5, which have no abort, destroy aborts (ProcessGroupNCCL::shutdown calls abort)."""
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     with contextlib.suppress(Exception):  # leaving anyway: the process ends with its own line
         if abort and dist.get_backend() != "gloo":
-            abort()
+            abort(dist.group.WORLD)
         else:
             dist.destroy_process_group()
 
@@ -271,6 +274,11 @@ def check_args(args, elastic=False, cuda=None):
         node_rank = int(os.environ.get("GROUP_RANK", 0))  # its node 0 holds global rank 0
         gpu = int(os.environ.get("LOCAL_RANK", args.local_rank))
         notes = gpu == 0
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
+    if elastic and tasks > 1 and "RANK" not in os.environ:  # srun python torchrun_ddp.py
+        raise Fatal(f"srun started {tasks} tasks of this script without torchrun, and each would "
+                    "train alone: run torchrun on each node (srun --ntasks-per-node=1 torchrun "
+                    "..., as slurm/torchrun_ddp.sbatch does), or spawn_ddp.py")
     if gpus and local > gpus:  # two processes on one GPU: NCCL refuses, or they fight
         raise Fatal(f"--nproc-per-node {local} but this machine has {gpus} GPU(s)")
     if dp and (args.sync_bn or args.compile):
@@ -544,17 +552,19 @@ def on_loopback():
             os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
 
 
-def spawn_store(args, store_file, rank):
+def spawn_store(args, store_file, rank, device):
     """Where spawn_ddp.py's processes meet. One machine: a file in the launcher's private folder
     (no port). Several, or --master-port: a TCP store that rank 0 hosts on node 0 (on every
     interface: docs/security.md), in which the nodes first check that all run as many processes.
     Then all meet (`meet`)."""
-    nproc, join = args.nproc_per_node, timedelta(seconds=args.join_timeout)
+    nproc = args.nproc_per_node
+    where = (args.node_rank, rank % nproc == 0, backend(device))
     if args.master_port is None:
         on_loopback()
-        return meet(dist.FileStore(store_file, args.nnodes * nproc), rank, nproc, args)
+        return meet(dist.FileStore(store_file, args.nnodes * nproc), rank, args.nnodes * nproc,
+                    args, *where)
     store = dist.TCPStore(args.master_addr or "127.0.0.1", args.master_port, is_master=rank == 0,
-                          timeout=join)
+                          timeout=timedelta(seconds=args.join_timeout))
     store.set(f"nproc/{args.node_rank}", str(nproc))
     counts = [int(store.get(f"nproc/{n}")) for n in range(args.nnodes)]
     if len(set(counts)) > 1:  # their ranks would collide; rank 0, the store's host, waits for
@@ -565,37 +575,82 @@ def spawn_store(args, store_file, rank):
             time.sleep(0.05)
         raise Fatal(f"every node must run the same --nproc-per-node; nodes 0..{args.nnodes - 1} "
                     f"run {', '.join(map(str, counts))}")
-    return meet(store, rank, args.nnodes * nproc, args)
+    return meet(store, rank, args.nnodes * nproc, args, *where)
 
 
-def torchrun_store(args, world_size, nproc):
+def torchrun_store(args, world_size, nproc, device):
     """The store that init_process_group would make from torchrun's environment (MASTER_ADDR,
-    MASTER_PORT), with its keys prefixed with the restart count, because the agent's store still
-    holds a dead round's addresses, which gloo may connect to (pytorch/pytorch#167288), and the
-    meeting (`meet`). Without torchrun: one in memory."""
+    MASTER_PORT), after the meeting (`meet`), under the prefix of this round. Without
+    torchrun: one in memory."""
     if nproc == world_size:
         on_loopback()
     if "RANK" not in os.environ:
         return dist.HashStore()
     store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))
-    store = dist.PrefixStore(f"restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/", store)
-    return meet(store, rank, world_size, args)
+    node, local_rank = int(os.environ.get("GROUP_RANK", 0)), int(os.environ["LOCAL_RANK"])
+    return meet(store, rank, world_size, args, node, local_rank == 0, backend(device))
 
 
-def meet(store, rank, world_size, args):
-    """Every process checks in at the store and waits for all: --join-timeout bounds the wait for
-    one that never comes, and names it. Then the store waits --timeout, as the collectives do.
-    init_process_group keeps the timeout of a store it is given (only its init_method path sets
-    it), and NCCL fetches its unique id through that store inside the call: a node still
-    preparing its data would otherwise fail the start-up after --join-timeout."""
+def backend(device):
+    """The process group's backend on `device`, and the device's type, in words."""
+    return f"{'nccl' if device.type == 'cuda' else 'gloo'} on {device.type}"
+
+
+def meet(store, rank, world_size, args, node, first_on_node, kind):
+    """Every process checks in and waits for all, in a round that rank 0 opens under a new
+    token: torchrun's agent keeps its store from round to round (pytorch/pytorch#167288), so the
+    last round's keys are still there, and TORCHELASTIC_RESTART_COUNT, which counts per node,
+    cannot tell the rounds apart (a replaced node starts at 0). A token whose round is over is
+    an earlier round's, and so is one whose round never formed: the process looks again until
+    rank 0's new one is there. --join-timeout bounds the wait for one that never comes, and
+    names it. Rank 0 then compares what each would train on
+    (`kind`): a node whose processes would use another backend (a GPU not seen: gloo on the
+    CPU beside NCCL) is refused, said once per node. Returns the store under the round's prefix,
+    waiting --timeout: init_process_group keeps the timeout of a store it is given (only its
+    init_method path sets it), and NCCL fetches its unique id through that store inside the
+    call, where a node still preparing its data would otherwise fail the start-up."""
     store.set_timeout(timedelta(seconds=args.join_timeout))
-    store.set(f"met/{rank}", "")
+    deadline, token = time.monotonic() + args.join_timeout, None
     try:
-        store.wait([f"met/{r}" for r in range(world_size)])
-    except dist.DistError:
-        missing = [str(r) for r in range(world_size) if not store.check([f"met/{r}"])]
+        if rank == 0:
+            token = secrets.token_hex(8)
+            store.set("round", token)
+            store.set(f"{token}/0", f"{node} {kind}")
+            store.wait([f"{token}/{r}" for r in range(world_size)])
+            others = [store.get(f"{token}/{r}").decode().split(" ", 1) for r in range(world_size)]
+            odd = sorted({int(n) for n, k in others if k != kind})
+            verdict = f"the processes of node(s) {', '.join(map(str, odd))} would train with " \
+                f"{next(k for n, k in others if k != kind)}, rank 0 with {kind}: every node " \
+                "must see its GPUs (check its driver with nvidia-smi)" if odd else ""
+            store.set(f"{token}/all", verdict)
+        pause = 0.01  # (polled: a TCPStore client whose wait timed out answers out of turn)
+        while rank != 0:
+            seen = store.get("round").decode()
+            if store.check([f"{seen}/all"]):  # a round that is over: ours, or the last one's
+                if seen == token:
+                    break
+            elif seen != token:
+                token = seen
+                store.set(f"{token}/{rank}", f"{node} {kind}")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError("")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
+        verdict = store.get(f"{token}/all").decode()
+        if verdict:  # rank 0 hosts the store on several nodes: it leaves after all have read
+            store.add(f"{token}/told", 1)
+            while rank == 0 and store.add(f"{token}/told", 0) < world_size \
+                    and time.monotonic() < deadline + args.join_timeout:
+                time.sleep(0.05)
+            raise Fatal(verdict if first_on_node else "")
+    except RuntimeError as e:  # a store that waited --join-timeout (a FileStore's: not a DistError)
+        if not isinstance(e, dist.DistError) and "imeout" not in str(e):
+            raise
+        missing = [str(r) for r in range(world_size)
+                   if not store.check([f"{token}/{r}"])] if token else ["0"]
         raise dist.DistStoreError(f"rank(s) {', '.join(missing) or '?'} did not come within "
                                   f"--join-timeout {args.join_timeout:g} s") from None
+    store = dist.PrefixStore(f"{token}/", store)
     store.set_timeout(timedelta(seconds=args.timeout))
     return store
 
@@ -604,6 +659,8 @@ def worker(local_rank, train, args, private):
     """mp.spawn's target: train(local_rank, args, the store's file in the launcher's private
     folder), an error as one line that names the rank."""
     with clean_exit(f"[rank {args.node_rank * args.nproc_per_node + local_rank}] "):
+        # NCCL: a collective that fails or times out takes its process down, as under torchrun
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         load_task(args.task)  # a new interpreter: common.py's names again, until the task's
         train(local_rank, args, os.path.join(private, "store"))
 

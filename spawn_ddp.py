@@ -48,7 +48,7 @@ def train(local_rank, args, store_file):
                              **resumable.worker_options(args.workers))
     resumable.start_workers(loader, test_loader)
     # Join the process group: every collective (all-reduce, barrier) runs among its processes.
-    store = harness.spawn_store(args, store_file, rank)  # a FileStore (nodes: a TCPStore)
+    store = harness.spawn_store(args, store_file, rank, device)  # a FileStore (nodes: TCP)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=args.timeout),
                             device_id=device if cuda else None)  # bound to its own GPU

@@ -4,8 +4,10 @@
   group beside NCCL opens gloo connections between all ranks, on whatever interface the host
   name resolves to), and one all-reduce of two numbers about once a second, or every step
   where steps are longer.
-- The processes meet within --join-timeout, and the store init_process_group gets then waits
-  --timeout; --amp auto is one precision for the whole job.
+- The processes meet within --join-timeout, in a round of their own that no key of an
+  earlier round can stand for, and the store init_process_group gets then waits --timeout; a
+  node that would train with another backend is refused there; --amp auto is one precision
+  for the whole job.
 - Data workers are forked before the process group starts its threads (a fork while they run
   can hang the child: python/cpython#112275), and share the training process's memory: the
   dataset is neither copied into /dev/shm (a container's default is 64 MB) nor sent over one
@@ -254,3 +256,80 @@ def test_the_torchrun_batch_file_gives_its_workers_most_of_the_warning(monkeypat
     if any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions):
         monkeypatch.setenv("PET_SHUTDOWN_TIMEOUT", shutdown)
         assert get_args_parser().parse_args(["x.py"]).shutdown_timeout == int(shutdown)
+
+
+@pytest.mark.slow
+def test_a_node_that_would_train_on_another_backend_is_refused_at_the_meeting(tiny_mnist,
+                                                                               tmp_path):
+    """Two spawn_ddp.py nodes; node 0 has its GPU, node 1 does not see one (its driver down:
+    gloo on the CPU). NCCL and gloo over one store would wait out --timeout; the meeting
+    refuses the job instead, in one line per node that names node 1, before anything trains.
+    (Node 0's GPU is said by tests/instrument: this machine has none.)"""
+    port = free_port()
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist), *map(str, ARGS),
+         "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1", "--master-addr",
+         "127.0.0.1", "--master-port", str(port), "--timeout", "300", "--checkpoint",
+         str(tmp_path / f"c{n}.pt")], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env=script_env(DDP_TEST_BACKEND_OF="0:nccl on cuda"))
+        for n in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    said = ("error: the processes of node(s) 1 would train with gloo on cpu, rank 0 with nccl "
+            "on cuda: every node must see its GPUs (check its driver with nvidia-smi)")
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode != 0, (out, err)
+        assert [ln for ln in err.splitlines() if ln.endswith(said)] != [], err
+        assert "Traceback" not in err and "epoch" not in out, (out, err)
+    assert sum(err.count(said) for _, err in outs) == 2  # once per node
+    assert not list(tmp_path.glob("*.pt"))
+
+
+def meet_in_threads(store, ranks, join_timeout=5.0, kinds=None):
+    """harness.meet for each of `ranks` of a world of 2, each in a thread of its own, on one
+    real store: {rank: the PrefixStore it returns, or the exception it raised}."""
+    import argparse
+    import threading
+
+    import harness
+    args = argparse.Namespace(join_timeout=join_timeout, timeout=30.0)
+    out = {}
+
+    def one(rank):
+        try:
+            out[rank] = harness.meet(store, rank, 2, args, rank, True,
+                                     (kinds or {}).get(rank, "gloo on cpu"))
+        except Exception as e:
+            out[rank] = e
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return out
+
+
+def test_the_meeting_takes_no_key_of_an_earlier_round():
+    """A store that outlives its round (torchrun's agent's) holds the last rounds' keys: one
+    that met ("round" pointing at it, its verdict written) and one that never formed. Rank 1
+    may read either before rank 0 opens the new round; it must meet rank 0 under the new
+    token, and the two must get the same prefix."""
+    import torch.distributed as dist
+    store = dist.HashStore()
+    store.set("round", "over")
+    store.set("over/all", "")
+    store.set("never/1", "0 gloo on cpu")
+    out = meet_in_threads(store, [1], join_timeout=1.0)  # no rank 0: rank 1 looks, in vain
+    assert isinstance(out[1], dist.DistError) and "rank(s) 0 did not come" in str(out[1])
+    store.set("round", "never")  # a round whose rank 0 died before it formed
+    out = meet_in_threads(store, [0, 1])
+    assert all(isinstance(s, dist.PrefixStore) for s in out.values()), out
+    out[0].set("key", "from rank 0")
+    assert out[1].get("key") == b"from rank 0"  # one prefix: the new round's
+    assert store.get("round").decode() not in ("over", "never")
+
+
+def test_the_meeting_names_who_did_not_come_and_refuses_another_backend():
+    import torch.distributed as dist
+    out = meet_in_threads(dist.HashStore(), [0], join_timeout=1.0)
+    assert str(out[0]) == "rank(s) 1 did not come within --join-timeout 1 s"
+    out = meet_in_threads(dist.HashStore(), [0, 1], kinds={0: "nccl on cuda"})
+    said = "the processes of node(s) 1 would train with gloo on cpu, rank 0 with nccl on cuda"
+    assert all(str(e).startswith(said) for e in out.values()), out

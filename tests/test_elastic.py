@@ -248,6 +248,34 @@ def test_node_join_continues_at_world_size_2(job_factory, tiny_mnist, tmp_path, 
     assert 0 < rel < RESIZE_TOLERANCE
 
 
+def test_a_replaced_node_and_the_survivor_finish_the_job(job_factory, tmp_path):
+    """Node B dies mid-run; node A goes on alone (its restart count 1); node C, B's
+    replacement, joins later (its count 0). torchrun's restart counts are per agent, so the two
+    nodes of the new round count differently: the meeting must not depend on them
+    (harness.meet). Both finish at world size 2."""
+    job = job_factory([*ARGS, "--epochs", 4], env={**SHARE_OFF, "DDP_TEST_STEP_DELAY": 0.2})
+    job.start("A", is_host=True)
+    job.start("B", is_host=False)
+    wait_for(job.snap.exists, 90, "the first snapshot")
+    first = job.worker("A")
+    job.kill_node("B")
+    wait_gone(first, 60, "A's worker to fail on its lost peer")
+    alone = job.worker("A")
+    wait_for(lambda: "restart 1 (TORCHELASTIC_RESTART_COUNT)" in job.outputs()["A"], 60,
+             "A to go on alone")
+    job.start("C", is_host=False)
+    wait_gone(alone, 90, "A's agent to stop its worker for the newcomer")
+    rcs, outs = job.wait()
+    assert (rcs["A"], rcs["C"]) == (0, 0), outs
+    assert "2 processes (2 node(s) x 1), backend gloo, device cpu, 1 thread(s) each, restart 1 " \
+           "(TORCHELASTIC_RESTART_COUNT)" in outs["A"], outs["A"]  # A, rank 0, still counts 1
+    assert_no_deprecation_warnings(outs["A"] + outs["C"])
+    sizes = [r["world_size"] for r in read_metrics(job.metrics)]
+    assert len(sizes) == 4 and sizes[-1] == 2, sizes  # the last epoch on A and C together
+    final = load(job.snap)
+    assert (final["epoch"], final["step"]) == (4, 0)
+
+
 def test_node_join_without_the_workaround_fails_today(job_factory, tmp_path):
     """Records torch 2.14's behaviour with torchrun's defaults (the agents share their
     rendezvous TCPStore with the workers): the running agent, rank 0 of the new round, reuses

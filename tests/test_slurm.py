@@ -233,3 +233,24 @@ def test_failing_job_is_not_requeued(slurm_cluster, tiny_mnist, tmp_path):
     assert (info["JobState"], info["Restarts"]) == ("FAILED", "0"), out
     assert info["ExitCode"] in ("2:0", "143:0"), info["ExitCode"]
     assert "must divide by the world size 2" in out and "requeued" not in out, out
+
+
+def test_srun_without_torchrun_is_refused(slurm_cluster, tiny_mnist, tmp_path):
+    """`srun python torchrun_ddp.py` on two nodes: each task sees SLURM's variables but no
+    RANK, and would train alone, both over one checkpoint. Each refuses in one line that says
+    how to launch instead; nothing is written."""
+    ckpt = tmp_path / "c.pt"
+    r = slurm_cluster.client(
+        "sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--output={tmp_path}/%j.out",
+        "--wrap", f"srun {sys.executable} {ROOT / 'torchrun_ddp.py'} --data-dir {tiny_mnist} "
+        f"--checkpoint {ckpt}", env=script_env(), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    info = slurm_cluster.wait(job, timeout=JOB_TIMEOUT)
+    out = (tmp_path / f"{job}.out").read_text()
+    assert info["JobState"] == "FAILED", out
+    lines = [ln for ln in out.splitlines() if ln.strip() and not ln.startswith("srun: ")]
+    assert lines == ["error: srun started 2 tasks of this script without torchrun, and each "
+                     "would train alone: run torchrun on each node (srun --ntasks-per-node=1 "
+                     "torchrun ..., as slurm/torchrun_ddp.sbatch does), or spawn_ddp.py"] * 2, out
+    assert not ckpt.exists()

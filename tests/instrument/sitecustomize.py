@@ -50,6 +50,9 @@ changes none of their results:
                         in the process of global rank RANK, DDP_TEST_CPU_FEATURES is FEATURES
                         (asked once the process group exists): one machine of the job with
                         another CPU
+  DDP_TEST_BACKEND_OF=RANK:KIND
+                        the process of global rank RANK says at the meeting (harness.meet) that it
+                        would train with KIND ("nccl on cuda"): one node of the job with GPUs
   DDP_TEST_STALL, DDP_TEST_SKIP_REDUCE and DDP_TEST_LATE print one line on stderr when they
   act ("test instrumentation: ...").
 With DDP_TEST_RECORD, every optimizer step also records the learning rate it used, and every
@@ -231,6 +234,16 @@ if os.environ.get("DDP_TEST_LATE"):
             time.sleep(float(_late_s))
         return _punctual_init(*args, **kwargs)
     dist.init_process_group = _late_init
+
+if os.environ.get("DDP_TEST_BACKEND_OF"):
+    def _other_backend(harness):
+        rank, kind = os.environ["DDP_TEST_BACKEND_OF"].split(":", 1)
+        meet = harness.meet
+
+        def meet_as_other(store, r, *args):
+            return meet(store, r, *args[:-1], kind if r == int(rank) else args[-1])
+        harness.meet = meet_as_other
+    _patch_module("harness", _other_backend)
 
 if os.environ.get("DDP_TEST_PIECE"):
     def _small_pieces(resumable):
