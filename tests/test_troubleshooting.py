@@ -184,9 +184,10 @@ def test_detail_names_the_mismatched_collective(debug):
                            r"SequenceNumber=(\d+), OpType=(\w+), TensorShape=\[(\d*)\]", line)
         assert sorted(found) == [("0", "1", "ALLREDUCE", "1"), ("1", "1", "BROADCAST", "4")], line
         assert "Timed out" not in run.text
-    else:
-        run.first(r"RuntimeError: .*Timed out waiting 3000ms for recv operation to complete")
-        assert "Detected mismatch" not in run.text
+    else:  # mp.spawn reports the rank that exits first: the one that timed out, or the other,
+        # whose pair the first closed when it gave up (seen once in a busy run of the suite)
+        run.first(rf"RuntimeError: .*({GLOO_TIMEOUT}|Connection closed by peer)")
+        assert run.seconds > 3 and "Detected mismatch" not in run.text
 
 
 def test_a_wrong_gloo_interface_fails_at_once(tiny_mnist):
