@@ -1,5 +1,6 @@
 """torchrun jobs whose membership changes (`--nnodes=1:2`): a node lost mid-run, a node that
-joins a running job, and a resize to a world size that does not divide --batch-size.
+joins a running job, one that replaces a lost node, and a resize to a world size that does not
+divide --batch-size.
 
 Every "node" is a torchrun agent on 127.0.0.1 with a folder of its own, 1 process each; they
 meet through the c10d rendezvous hosted by node A (`is_host=1`). Steps are slowed down
