@@ -567,12 +567,8 @@ def spawn_store(args, store_file, rank, device):
                           timeout=timedelta(seconds=args.join_timeout))
     store.set(f"nproc/{args.node_rank}", str(nproc))
     counts = [int(store.get(f"nproc/{n}")) for n in range(args.nnodes)]
-    if len(set(counts)) > 1:  # their ranks would collide; rank 0, the store's host, waits for
-        store.add("nproc/read", 1)  # every process to read the counts (--join-timeout at most)
-        deadline = time.monotonic() + args.join_timeout
-        while rank == 0 and store.add("nproc/read", 0) < sum(counts) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
+    if len(set(counts)) > 1:  # their ranks would collide
+        read_by_all(store, "nproc/read", rank, sum(counts), args.join_timeout)
         raise Fatal(f"every node must run the same --nproc-per-node; nodes 0..{args.nnodes - 1} "
                     f"run {', '.join(map(str, counts))}")
     return meet(store, rank, args.nnodes * nproc, args, *where)
@@ -636,12 +632,10 @@ def meet(store, rank, world_size, args, node, first_on_node, kind):
                 raise dist.DistStoreError("")
             time.sleep(pause)
             pause = min(2 * pause, 0.2)
-        verdict = store.get(f"{token}/all").decode()
-        if verdict:  # rank 0 hosts the store on several nodes: it leaves after all have read
-            store.add(f"{token}/told", 1)
-            while rank == 0 and store.add(f"{token}/told", 0) < world_size \
-                    and time.monotonic() < deadline + args.join_timeout:
-                time.sleep(0.05)
+        if rank != 0:
+            verdict = store.get(f"{token}/all").decode()
+        if verdict:
+            read_by_all(store, f"{token}/read", rank, world_size, args.join_timeout)
             raise Fatal(verdict if first_on_node else "")
     except RuntimeError as e:  # a store that waited --join-timeout (a FileStore's: not a DistError)
         if not isinstance(e, dist.DistError) and "imeout" not in str(e):
@@ -653,6 +647,15 @@ def meet(store, rank, world_size, args, node, first_on_node, kind):
     store = dist.PrefixStore(f"{token}/", store)
     store.set_timeout(timedelta(seconds=args.timeout))
     return store
+
+
+def read_by_all(store, key, rank, world_size, seconds):
+    """Before a refusal read from the store: each process counts itself at `key`, and rank 0,
+    which hosts the store on several nodes, leaves only once all have read (`seconds` at most)."""
+    store.add(key, 1)
+    deadline = time.monotonic() + seconds
+    while rank == 0 and store.add(key, 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def worker(local_rank, train, args, private):

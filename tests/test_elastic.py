@@ -140,6 +140,17 @@ def wait_gone(pid, timeout, what):
     wait_for(gone, timeout, what)
 
 
+def lose_b_after_a_snapshot(job):
+    """Nodes A (the rendezvous host) and B start; B dies, agent and worker, once the first
+    snapshot is there; returns when A's worker has failed on its lost peer."""
+    job.start("A", is_host=True)
+    job.start("B", is_host=False)
+    wait_for(job.snap.exists, 90, "the first snapshot")
+    worker = job.worker("A")
+    job.kill_node("B")
+    wait_gone(worker, 60, "A's worker to fail on its lost peer")
+
+
 def loaded_position(text, snap):
     """(epoch, step) from a worker's "loaded PATH: E epoch(s) + S step(s) trained" lines."""
     lines = [ln for ln in text.splitlines() if ln.startswith(f"loaded {snap}: ")]
@@ -181,12 +192,7 @@ def test_node_loss_survivor_continues_alone(job_factory, tiny_mnist, tmp_path, s
     args = [*ARGS, "--epochs", 2]
 
     job = job_factory(args, env={**SHARE_OFF, "DDP_TEST_STEP_DELAY": 0.1})
-    job.start("A", is_host=True)
-    job.start("B", is_host=False)
-    wait_for(job.snap.exists, 90, "the first snapshot")
-    old_worker = job.worker("A")
-    job.kill_node("B")
-    wait_gone(old_worker, 60, "A's worker to fail on its lost peer")
+    lose_b_after_a_snapshot(job)
     shutil.copy(job.snap, tmp_path / "resumed.pt")  # what the new group starts from
     rcs, outs = job.wait()
     assert rcs["A"] == 0, outs["A"]
@@ -255,12 +261,7 @@ def test_a_replaced_node_and_the_survivor_finish_the_job(job_factory, tmp_path):
     nodes of the new round count differently: the meeting must not depend on them
     (harness.meet). Both finish at world size 2."""
     job = job_factory([*ARGS, "--epochs", 4], env={**SHARE_OFF, "DDP_TEST_STEP_DELAY": 0.2})
-    job.start("A", is_host=True)
-    job.start("B", is_host=False)
-    wait_for(job.snap.exists, 90, "the first snapshot")
-    first = job.worker("A")
-    job.kill_node("B")
-    wait_gone(first, 60, "A's worker to fail on its lost peer")
+    lose_b_after_a_snapshot(job)
     alone = job.worker("A")
     wait_for(lambda: "restart 1 (TORCHELASTIC_RESTART_COUNT)" in job.outputs()["A"], 60,
              "A to go on alone")
