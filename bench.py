@@ -36,7 +36,9 @@ from pathlib import Path
 import torch
 
 import common
-import harness
+import flags
+import launch
+import machine
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = ("dp_baseline", "spawn_ddp", "torchrun_ddp", "apex_ddp")
@@ -62,7 +64,7 @@ def command(script, world_size, v):
     # apex_ddp.py picks precision by --opt-level: O0 is fp32; natively O1 is fp16 on GPUs, bf16
     # on a CPU with bf16 instructions and fp32 on other CPUs
     native_o1 = ("fp16" if torch.cuda.is_available() else
-                 "bf16" if harness.computes_bf16(None)[0] else "none")
+                 "bf16" if machine.computes_bf16(None)[0] else "none")
     if amp not in ("auto", "none", native_o1):  # auto: O1, which picks as --amp auto does
         return None
     return [*torchrun, f"{repo}/apex_ddp.py", "--opt-level", "O0" if amp == "none" else "O1"]
@@ -125,15 +127,15 @@ def spread(values, fmt="{:.1f}"):
     return med if len(values) == 1 else f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
-def machine():
-    """The CPU with the features that decide which precision pays (see harness.computes_bf16)."""
+def this_machine():
+    """The CPU with the features that decide which precision pays (see machine.computes_bf16)."""
     caps = getattr(torch.cpu, "get_capabilities", dict)()  # torch 2.4 has none
     cpu = caps.get("cpu_name") or platform.processor() or platform.machine()
     names = {"x86_64": (("AVX-512", "avx512_f"), ("AVX512_BF16", "avx512_bf16"), ("AMX", "amx_bf16")),
              "arm64": (("BF16", "bf16"), ("SVE", "sve"))}.get(caps.get("architecture"), ())
     features = ", ".join(f"{name} {'yes' if caps.get(key) else 'no'}" for name, key in names)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu} ({features or 'features unknown'}), {harness.cpu_count()} cores, {gpu}; "
+    return (f"{cpu} ({features or 'features unknown'}), {machine.cpu_count()} cores, {gpu}; "
             f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
@@ -146,7 +148,7 @@ def main():
             print(f"rep {rep + 1}/{args.reps}: {name(s, v)} x{n}", file=sys.stderr, flush=True)
             cmd = command(s, n, variants[v])
             results[(s, v, n)].append(run_once(cmd, threads(n), args, rep, variants[v]))
-    print(f"\nMachine: {machine()}")
+    print(f"\nMachine: {this_machine()}")
     print(f"Work: task flags '{' '.join(args.task)}', {args.epochs} epoch(s), global "
           f"batch {' '.join(map(str, args.batch_size))}, --lr-scaling "
           f"{' '.join(args.lr_scaling)}, --amp {' '.join(args.amp)}, --channels-last {args.channels_last}, "
@@ -160,7 +162,7 @@ def main():
         print_accuracy_per_epoch(results, variants, args.epochs, args.target)
     print_ratios(results, options, variants, args)
     if args.png:
-        save_chart(results, args.png, f"{machine()}\n--amp {' '.join(args.amp)}, {args.reps} seed(s)")
+        save_chart(results, args.png, f"{this_machine()}\n--amp {' '.join(args.amp)}, {args.reps} seed(s)")
 
 
 def target(text):
@@ -173,12 +175,12 @@ def target(text):
 
 
 def parse_args():
-    p = harness.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = flags.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=target, default="test_acc>=99", help="the metric and value "
                    "whose time to reach the table shows, and whose mean and worst it shows "
                    "(default: test_acc>=99)")
     p.add_argument("--scripts", nargs="+", choices=SCRIPTS, default=list(SCRIPTS))
-    p.add_argument("--world-sizes", nargs="+", type=harness.positive_int, default=[1, 2])
+    p.add_argument("--world-sizes", nargs="+", type=flags.positive_int, default=[1, 2])
     p.add_argument("--amp", nargs="+", choices=["auto", "none", "bf16", "fp16"], default=["auto"],
                    help="precision(s); several run side by side (default: auto)")
     p.add_argument("--channels-last", choices=["default", "off", "on", "both"], default="default",
@@ -191,12 +193,12 @@ def parse_args():
     p.add_argument("--compile", choices=["off", "on", "both"], default="off",
                    help="run with --compile: off, on, or both side by side; the first epoch "
                    "includes the compilation, so give --epochs 2 or more (default: off)")
-    p.add_argument("--batch-size", nargs="+", type=harness.positive_int, default=[256],
+    p.add_argument("--batch-size", nargs="+", type=flags.positive_int, default=[256],
                    help="global batch; several values run side by side (default: 256)")
     p.add_argument("--lr-scaling", nargs="+", choices=list(common.LR_RULES), default=["sqrt"],
                    help="LR rule(s) to compare (default: sqrt); with several batch sizes or "
                    "rules the report adds test accuracy after every epoch")
-    p.add_argument("--workers", nargs="+", type=harness.natural_int, help="--workers of the "
+    p.add_argument("--workers", nargs="+", type=flags.natural_int, help="--workers of the "
                    "scripts; several values run side by side (default: the scripts' own)")
     p.add_argument("--checkpoint", choices=["off", "on", "both"], default="off",
                    help="run with --checkpoint (a file in a temporary folder), which also turns "
@@ -207,10 +209,10 @@ def parse_args():
                    "marked @DIR)")
     p.add_argument("--with-env", metavar="'NAME=VALUE ...'", help="also run every configuration "
                    "with these environment variables set, side by side (rows marked +env)")
-    p.add_argument("--reps", type=harness.positive_int, default=5, help="repetitions, seeds "
+    p.add_argument("--reps", type=flags.positive_int, default=5, help="repetitions, seeds "
                    "0..reps-1 (default: 5)")
-    p.add_argument("--epochs", type=harness.positive_int, default=1)
-    p.add_argument("--timeout", type=harness.positive_float, default=900, help="seconds per run "
+    p.add_argument("--epochs", type=flags.positive_int, default=1)
+    p.add_argument("--timeout", type=flags.positive_float, default=900, help="seconds per run "
                    "(default: 900)")
     p.add_argument("--png", metavar="PATH", help="also save a chart of the epoch times (needs "
                    "matplotlib)")
@@ -262,7 +264,7 @@ def plan(args):
 
 def threads(n):
     """Each process's share of the cores."""
-    return max(1, harness.cpu_count() // n)
+    return max(1, machine.cpu_count() // n)
 
 
 def name(s, v):
@@ -414,5 +416,5 @@ def save_chart(results, path, title):
 
 
 if __name__ == "__main__":
-    with harness.clean_exit():
+    with launch.clean_exit():
         main()

@@ -1,11 +1,11 @@
 """What the four scripts share: first the task, the part to replace for your own model and
 data (docs/your-own-task.md; MNIST is the default), then the few helpers the scripts share. The
-machinery (command line and checks, SIGTERM, resuming, data workers) is in harness.py and
-resumable.py, which the lesson never needs to open."""
+machinery is in a module per concern (docs/layout.md), which the lesson never needs to open."""
 import collections
+import itertools
 import math
 import os
-import secrets
+import sys
 import tempfile
 
 import torch
@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import TensorDataset, default_collate
 
 
 class Fatal(Exception):
-    """A problem with the user's input or data: one line, exit code 2 (harness.clean_exit)."""
-    code = 2
+    """A problem with the user's input or data: one line, exit code 2 (launch.clean_exit)."""
+    code, says = 2, "error"
 
 
 def reason(e, line=0):
@@ -34,8 +34,18 @@ def reason(e, line=0):
     return f"{type(e).__name__}: {lines[line][:300]}" if lines else type(e).__name__
 
 
-# ---- 1. The task: MNIST. Replace these names, in place or by defining them again at the end
-# of this file; the scripts reach the task only through them (docs/your-own-task.md). ------------
+def say(line):
+    """`line` and its newline on stderr in one write, so that the lines of processes sharing a
+    pipe (every rank's stderr under a launcher) stay whole."""
+    try:
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor
+        print(line, file=sys.stderr, flush=True)
+
+
+# ---- 1. The task: MNIST. Replace these names, in place, by defining them again at the end of
+# this file, or in a file of your own given by --task (docs/your-own-task.md). ------------------
 
 def add_task_flags(parser):
     """The task's own flags; it may also change the defaults of the others (set_defaults)."""
@@ -74,7 +84,7 @@ def prepare_data(args):
 
 def make_datasets(args):
     """(training set, test set): map-style datasets. Random augmentation draws from torch's global
-    RNG, as torchvision's transforms do (resumable.PerSampleSeeds seeds it per sample)."""
+    RNG, as torchvision's transforms do (data.PerSampleSeeds seeds it per sample)."""
     if args.dummy:  # noisy copies of ten random templates, the same in every process
         g = torch.Generator().manual_seed(1234)
         templates = torch.rand(10, 28, 28, generator=g) * 255
@@ -198,7 +208,7 @@ class InMemoryMNIST(TensorDataset):
         return self[torch.as_tensor(indices)]
 
 
-# ---- 2. The helpers the scripts share (the lesson takes save_checkpoint, and runs the rest) ---
+# ---- 2. The helpers the scripts share ------------------------------------------------------------
 
 def to_device(inputs, device, channels_last=False):
     """A batch's inputs (a tensor, or a tuple, list or dict of tensors) on the device; with
@@ -235,63 +245,29 @@ def reduce_tensor(t):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device):
-    """The task's metrics over the test set, each sample counted once: evaluate_batch's sums over
-    this process's shard (the scripts give it every world_size-th sample, unpadded), then over
-    all processes. Pass the plain model: a DDP wrapper's forward may sync buffers."""
+def evaluate(model, loader, device, task=None, batches=None):
+    """The task's metrics (`task`: the scripts' flags.load_task; default: this file's) over the
+    test set, or its first `batches` batches, each sample counted once: evaluate_batch's sums
+    over this process's shard (the scripts give it every world_size-th sample, unpadded), then
+    over all processes. Pass the plain model: a DDP wrapper's forward may sync buffers."""
+    task = task or sys.modules[__name__]
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if len(loader.dataset) < world_size:
+        raise Fatal(f"the test set has {len(loader.dataset)} samples, fewer than the "
+                    f"{world_size} processes: each must evaluate at least one")
     if dist.is_initialized():  # BatchNorm's statistics drift apart in training (each process
         for b in model.buffers():  # updates them with its own batches): rank 0's, the saved ones
             dist.broadcast(b, src=0)
     model.eval()
     sums = {}
-    for inputs, target in loader:
+    for inputs, target in itertools.islice(loader, batches):
         output = forward(model, to_device(inputs, device))
-        for name, value in evaluate_batch(output, target.to(device, non_blocking=True)).items():
+        batch_sums = task.evaluate_batch(output, target.to(device, non_blocking=True))
+        for name, value in batch_sums.items():
             sums[name] = sums.get(name, 0) + torch.as_tensor(value, device=device).double()
     names = sorted(sums)  # the same order in every process
     totals = torch.stack([sums[n] for n in names])
     recent.append(totals)
     if dist.is_initialized():
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-    return summarize(dict(zip(names, totals.tolist())))
-
-
-def checkpoint_state(model, optimizer, scheduler, scaler, epoch, step, args):
-    """Plain tensors and values only. `epoch` epochs done, plus `step` steps of the next one."""
-    return {"model": model.state_dict(),  # the plain model: no "module." prefix
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(), "epoch": epoch, "step": step, "args": vars(args)}
-
-
-def save_checkpoint(state, path):
-    """A temporary file of this writer's own in the same folder, on the disk, renamed over `path`:
-    a crash, a kill or a full disk leaves the previous checkpoint whole; writers never collide."""
-    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            torch.save(state, f)  # a file, not a path: a failed write is an OSError of Python's
-            f.flush()
-            os.fsync(f.fileno())  # on the disk before the rename makes it the checkpoint
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save raises the zip writer's RuntimeError,
-        cause = e.__context__ if isinstance(e, RuntimeError) else e  # the OSError its context
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if not isinstance(cause, OSError):
-            raise
-        raise Fatal(f"could not write the checkpoint {path} ({cause.strerror or cause}); the "
-                    "previous one, if any, is intact") from None
-
-
-def load_checkpoint(path):
-    """The checkpoint's tensors on the CPU, mapped from the file, not copied (processes on one
-    machine share its pages); weights_only, as unpickling arbitrary objects could run code."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError:
-        raise Fatal(f"no checkpoint at {path}") from None
-    except Exception as e:
-        raise Fatal(f"checkpoint {path} is corrupt or truncated ({reason(e)[:200]})") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt:
-        raise Fatal(f"{path} is not a checkpoint of these scripts (no 'model' entry)")
-    return ckpt
+    return task.summarize(dict(zip(names, totals.tolist())))

@@ -62,8 +62,8 @@ def main():
         report = (f"epoch {epoch + 1} train_loss {train_loss:.4f} test_acc "
                   f"{100 * correct / total:.4g} correct {correct:.0f} total {total:.0f}")
         if args.checkpoint:
-            common.save_checkpoint({"model": model.state_dict(), "epoch": epoch + 1},
-                                   args.checkpoint)
+            torch.save({"model": model.state_dict(), "epoch": epoch + 1}, args.checkpoint + ".tmp")
+            os.replace(args.checkpoint + ".tmp", args.checkpoint)  # whole, or the last one
         print(report, flush=True)
 
 

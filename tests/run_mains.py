@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.dirname(script))
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-import common  # noqa: E402
-import harness  # noqa: E402
+import flags  # noqa: E402
 
 
 class Started(BaseException):
@@ -44,7 +43,7 @@ mode = {}
 # bench.py parses its own flags with parse_known_args (the rest go to the scripts); the scripts
 # with parse_args, which refuses a flag it does not know
 METHOD = "parse_known_args" if os.path.basename(script) == "bench.py" else "parse_args"
-_parse = getattr(harness.Parser, METHOD)
+_parse = getattr(flags.Parser, METHOD)
 
 
 def parse(self, *args, **kwargs):
@@ -58,25 +57,22 @@ def parse(self, *args, **kwargs):
     return parsed
 
 
-setattr(harness.Parser, METHOD, parse)
-common.make_datasets = started    # every training script builds its datasets before the first step
-common.mnist_datasets = started   # so that MNIST's prepare_data still knows the task for MNIST's
+setattr(flags.Parser, METHOD, parse)
 mp.spawn = started                # spawn_ddp.py starts its workers
 subprocess.run = started          # bench.py runs the scripts
 subprocess.Popen = started
-
-_load_task = harness.load_task
-
-
-def load_task(task):
-    """--task replaces common's names; the hooks above stay (a task's datasets start work too)."""
-    _load_task(task)
-    if task and common.make_datasets is not started:  # the task's own: not MNIST's to prepare
-        common.make_datasets, common.mnist_datasets = started, None
+_load_task = flags.load_task
 
 
-harness.load_task = load_task
-SEAM = {name: getattr(common, name) for name in (*harness.SEAM, "mnist_datasets")}  # each case
+def load_task(name):
+    """The task, whose datasets start work: every training script builds them before its first
+    step (common.py's own names stay, so MNIST's prepare_data still checks the files)."""
+    task = _load_task(name)
+    task.make_datasets = started
+    return task
+
+
+flags.load_task = load_task
 
 for line in sys.stdin:
     case = json.loads(line)
@@ -99,8 +95,6 @@ for line in sys.stdin:
             result["code"] = "traceback"
     if dist.is_initialized():
         dist.destroy_process_group()
-    for name, value in SEAM.items():  # a case's --task does not reach the next case
-        setattr(common, name, value)
     os.environ.clear()
     os.environ.update(env)
     result.update(stdout=out.getvalue(), stderr=err.getvalue(), flags=mode.get("flags"))

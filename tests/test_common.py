@@ -1,4 +1,4 @@
-"""The pieces of common.py, resumable.py and harness.py, each checked in this process (no
+"""The pieces of common.py and the modules of the machinery, each checked in this process (no
 launch): the batched MNIST dataset and its collate, batches of any structure on the device,
 per-sample seeds for random augmentation (also through persistent workers), data workers
 forked before any thread of a process group, a mid-epoch resume that skips in the sampler,
@@ -21,15 +21,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+import checkpoint
 import common
-import harness
-import resumable
+import data
+import flags
 from conftest import N_TEST, N_TRAIN, free_port
 
 
 def args_for(data=None, launcher="dp", **kw):
     """The scripts' defaults, as parsed, with some values replaced."""
-    args = harness.parse_args("", launcher, ["--data-dir", str(data)] if data else ["--dummy"])
+    args = flags.parse_args("", launcher, ["--data-dir", str(data)] if data else ["--dummy"])
     for k, v in kw.items():
         setattr(args, k, v)
     return args
@@ -92,16 +93,16 @@ def draws(loader):
 
 
 def test_per_sample_seeds_do_not_depend_on_order_workers_or_rank():
-    data = resumable.PerSampleSeeds(Draws(), seed=7)
-    data.set_epoch(3)
-    single = draws(DataLoader(data, batch_size=5))
-    shuffled = draws(DataLoader(data, batch_size=8, shuffle=True, num_workers=2,
-                                worker_init_fn=resumable.worker_init))
+    dataset = data.PerSampleSeeds(Draws(), seed=7)
+    dataset.set_epoch(3)
+    single = draws(DataLoader(dataset, batch_size=5))
+    shuffled = draws(DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2,
+                                worker_init_fn=data.worker_init))
     assert single == shuffled  # any order, any number of workers: sample i draws the same
     assert len({v for v in single.values()}) == len(single)  # and samples differ
-    data.set_epoch(4)
-    assert all(a != b for a, b in zip(single.values(), draws(DataLoader(data, batch_size=5)).values()))
-    other_seed = resumable.PerSampleSeeds(Draws(), seed=8)
+    dataset.set_epoch(4)
+    assert all(a != b for a, b in zip(single.values(), draws(DataLoader(dataset, batch_size=5)).values()))
+    other_seed = data.PerSampleSeeds(Draws(), seed=8)
     other_seed.set_epoch(3)
     assert draws(DataLoader(other_seed, batch_size=5)) != single
 
@@ -122,16 +123,16 @@ def test_without_them_every_rank_draws_the_same():
 def test_the_epoch_reaches_workers_persistent_ones_too(persistent):
     """set_epoch writes to shared memory: workers started in epoch 0 and kept alive
     (persistent_workers=True) still draw epoch 1's values in epoch 1."""
-    data = resumable.PerSampleSeeds(Draws(), seed=0)
-    loader = DataLoader(data, batch_size=8, num_workers=2, persistent_workers=persistent,
-                        worker_init_fn=resumable.worker_init, multiprocessing_context="fork")
+    dataset = data.PerSampleSeeds(Draws(), seed=0)
+    loader = DataLoader(dataset, batch_size=8, num_workers=2, persistent_workers=persistent,
+                        worker_init_fn=data.worker_init, multiprocessing_context="fork")
     if persistent:
-        resumable.start_workers(loader)  # as the scripts start them
+        data.start_workers(loader)  # as the scripts start them
     by_epoch = []
     for epoch in range(2):
-        data.set_epoch(epoch)
+        dataset.set_epoch(epoch)
         by_epoch.append(draws(loader))
-    fresh = resumable.PerSampleSeeds(Draws(), seed=0)
+    fresh = data.PerSampleSeeds(Draws(), seed=0)
     fresh.set_epoch(1)
     assert by_epoch[1] == draws(DataLoader(fresh, batch_size=8)) != by_epoch[0]
 
@@ -147,15 +148,15 @@ class Whereabouts(Dataset):
 
 
 def test_workers_are_forked_once_with_sigterm_blocked_until_they_handle_it():
-    """resumable.worker_options and start_workers: workers forked from this process (they share
+    """data.worker_options and start_workers: workers forked from this process (they share
     its memory), once for the whole run (the same two in every epoch), with SIGTERM blocked
     while they start; each then ignores a SIGTERM from anybody but this process, and ends on one
     from it: what multiprocessing's exit handler sends to daemonic children before it joins them
     (a worker ignoring every SIGTERM would hang its training process at exit)."""
-    assert resumable.worker_options(0) == {}
+    assert data.worker_options(0) == {}
     loader = DataLoader(Whereabouts(), batch_size=1, num_workers=2,
-                        **resumable.worker_options(2))
-    resumable.start_workers(loader)
+                        **data.worker_options(2))
+    data.start_workers(loader)
     epochs = [[batch[0].tolist() for batch in loader] for _ in range(2)]
     assert {parent for _, parent in epochs[0]} == {os.getpid()}
     workers = {pid for pid, _ in epochs[0]}
@@ -181,17 +182,17 @@ def test_workers_are_forked_once_with_sigterm_blocked_until_they_handle_it():
 
 def test_a_batched_dataset_is_passed_through_with_one_seed_per_batch():
     train, _ = common.make_datasets(args_for(None))
-    data = resumable.PerSampleSeeds(train, seed=0)
-    x, y = data.__getitems__([1, 2, 3])
+    dataset = data.PerSampleSeeds(train, seed=0)
+    x, y = dataset.__getitems__([1, 2, 3])
     assert torch.equal(x, train.images[[1, 2, 3]])
-    assert not hasattr(resumable.PerSampleSeeds(Draws(), 0), "__getitems__")
+    assert not hasattr(data.PerSampleSeeds(Draws(), 0), "__getitems__")
 
 
 def test_dropout_draws_per_rank_and_again_after_a_resume():
     drop = torch.nn.Dropout(0.5)
 
     def mask(rank, epoch=0, step=1):
-        resumable.seed_step(0, epoch, step, rank)
+        data.seed_step(0, epoch, step, rank)
         return drop(torch.ones(1000)) > 0
     assert torch.equal(mask(0), mask(0))  # the same (epoch, step, rank): the same mask
     assert not torch.equal(mask(0), mask(1))  # another rank
@@ -214,31 +215,31 @@ class Counted(Dataset):
 
 def test_resume_skips_in_the_sampler_without_loading_the_skipped_samples():
     from torch.utils.data.distributed import DistributedSampler
-    data = Counted()
-    sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=0)
-    full = [int(i) for b in DataLoader(data, batch_size=8, sampler=sampler) for i in b]
-    data.fetched.clear()
-    skippable = resumable.Skippable(sampler)
+    dataset = Counted()
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=0)
+    full = [int(i) for b in DataLoader(dataset, batch_size=8, sampler=sampler) for i in b]
+    dataset.fetched.clear()
+    skippable = data.Skippable(sampler)
     skippable.skip = 3 * 8  # 3 steps done
-    loader = DataLoader(data, batch_size=8, sampler=skippable)
+    loader = DataLoader(dataset, batch_size=8, sampler=skippable)
     rest = [[int(i) for i in b] for b in loader]
     assert sum(rest, []) == full[24:]  # the same batches as the uninterrupted epoch's
     assert rest[0] == full[24:32]
-    assert sorted(data.fetched) == sorted(full[24:])  # nothing loaded for the first 3 steps
+    assert sorted(dataset.fetched) == sorted(full[24:])  # nothing loaded for the first 3 steps
 
 
 # ---- diagnostics, ports, the resume decision, SIGTERM, the LR after a skipped step ----------
 
 def test_an_error_line_is_one_write(monkeypatch):
     """Several ranks writing to one pipe: a line in two writes (print's text, then its newline)
-    can be split by another rank's line (seen in CI). harness.say writes it in one."""
+    can be split by another rank's line (seen in CI). common.say writes it in one."""
     writes = []
     real_write = os.write
     monkeypatch.setattr(os, "write", lambda fd, data: writes.append((fd, data)) or real_write(fd, data))
     r, w = os.pipe()
     with os.fdopen(w, "w") as f:
         monkeypatch.setattr(sys, "stderr", f)
-        harness.say("[rank 1] error: distributed: Unable to find address for: nosuchif0")
+        common.say("[rank 1] error: distributed: Unable to find address for: nosuchif0")
     with os.fdopen(r) as f:
         assert f.read() == "[rank 1] error: distributed: Unable to find address for: nosuchif0\n"
     assert [data for fd, data in writes if fd == w] == \
@@ -250,7 +251,7 @@ def test_the_port_of_a_store_that_just_ended_is_free_but_a_listening_one_is_not(
     run's store closes its connections first, which leaves them in TIME_WAIT on its port for a
     minute. A new store binds that port all the same (its socket has SO_REUSEADDR, and so had
     the old one's); a check without the option refused it. The check is spawn_ddp.py's, in
-    harness.check_args, on node 0 with --master-port."""
+    flags.check_args, on node 0 with --master-port."""
     from datetime import timedelta
     import torch.distributed as dist
     port = free_port()
@@ -263,39 +264,40 @@ def test_the_port_of_a_store_that_just_ended_is_free_but_a_listening_one_is_not(
     with socket.socket() as plain, pytest.raises(OSError):
         plain.bind(("", port))  # the old check: refused
     args = args_for(None, "spawn", master_port=port)
-    harness.check_args(args)  # the check now: the store can take it...
+    flags.check_args(args)  # the check now: the store can take it...
     again = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10))  # ...it can
     with pytest.raises(common.Fatal, match=f"port {port} is already in use"):
-        harness.check_args(args)  # while a store listens there, the port is taken
+        flags.check_args(args)  # while a store listens there, the port is taken
     del again
 
 
 def test_one_process_resumes_only_when_asked_and_found(tmp_path):
-    args = argparse.Namespace(checkpoint=str(tmp_path / "c.pt"), evaluate=False, seed=0)
+    args = argparse.Namespace(checkpoint=str(tmp_path / "c.pt"), evaluate=False, seed=0,
+                              amp="none")
     cpu = torch.device("cpu")
-    assert resumable.agreed_checkpoint(args, resumable.RESUME_IF_FOUND, cpu) is None
+    assert checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, cpu) is None
     with pytest.raises(common.Fatal, match="no checkpoint at"):
-        resumable.agreed_checkpoint(args, resumable.RESUME, cpu)
+        checkpoint.agreed(args, checkpoint.RESUME, cpu)
     torch.save({"model": {}, "epoch": 2, "step": 5, "args": {"seed": 0}}, args.checkpoint)
-    assert resumable.agreed_checkpoint(args, resumable.NO_RESUME, cpu) is None
-    assert resumable.agreed_checkpoint(args, resumable.RESUME_IF_FOUND, cpu)["step"] == 5
+    assert checkpoint.agreed(args, checkpoint.NO_RESUME, cpu) is None
+    assert checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, cpu)["step"] == 5
     args.seed = 1  # another run's checkpoint: refused, unless only evaluated
     with pytest.raises(common.Fatal, match="--seed 0 in the checkpoint, 1 now"):
-        resumable.agreed_checkpoint(args, resumable.RESUME_IF_FOUND, cpu)
+        checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, cpu)
     args.evaluate = True
-    assert resumable.agreed_checkpoint(args, resumable.RESUME, cpu)["step"] == 5
+    assert checkpoint.agreed(args, checkpoint.RESUME, cpu)["step"] == 5
 
 
 def test_sigterm_without_a_checkpoint_stops_at_once():
-    stop = resumable.StopSignal(checkpoint=None, device=torch.device("cpu"), steps=10)
+    stop = checkpoint.StopSignal(checkpoint=None, device=torch.device("cpu"), steps=10)
     try:
-        with pytest.raises(resumable.Preempted, match="nothing saved"):
+        with pytest.raises(checkpoint.Preempted, match="nothing saved"):
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(1000):  # the handler runs between two bytecodes
                 pass
     finally:
         stop.close()
-    stop = resumable.StopSignal(checkpoint="c.pt", device=torch.device("cpu"), steps=10)
+    stop = checkpoint.StopSignal(checkpoint="c.pt", device=torch.device("cpu"), steps=10)
     try:
         assert not stop(1)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -304,27 +306,42 @@ def test_sigterm_without_a_checkpoint_stops_at_once():
         stop.close()
 
 
-def test_the_task_is_looked_up_at_call_time(monkeypatch, tmp_path):
+def test_the_task_is_looked_up_when_loaded(monkeypatch, tmp_path):
     """Redefining make_model (as docs/your-own-task.md does at the end of common.py) reaches the
-    checkpoint check too: a checkpoint of the new model passes, one of Net does not."""
+    checkpoint check through the loaded task: a checkpoint of the new model passes, one of Net
+    does not."""
     monkeypatch.setattr(common, "make_model", lambda args: torch.nn.Linear(3, 2))
     torch.save({"model": torch.nn.Linear(3, 2).state_dict(), "epoch": 1}, tmp_path / "new.pt")
     torch.save({"model": common.Net().state_dict(), "epoch": 1}, tmp_path / "old.pt")
+    task = flags.load_task(None)
     ok = args_for(None, checkpoint=str(tmp_path / "new.pt"), resume=True)
-    harness.check_args(ok)
+    flags.check_args(ok, task)
     bad = args_for(None, checkpoint=str(tmp_path / "old.pt"), resume=True)
     with pytest.raises(common.Fatal, match="does not fit this model"):
-        harness.check_args(bad)
+        flags.check_args(bad, task)
+
+
+def test_a_task_file_leaves_common_as_it_is(tmp_path):
+    """--task's names reach the scripts through the task alone: common.py's stay common.py's;
+    what the file leaves out is common.py's, and it prepares none of MNIST's data."""
+    before = {name: getattr(common, name) for name in flags.SEAM}
+    (tmp_path / "mytask.py").write_text("import torch\n\ndef loss_fn(output, target):\n"
+                                        "    return torch.tensor(7.0)\n\n"
+                                        "def make_datasets(args):\n    return [], []\n")
+    task = flags.load_task(str(tmp_path / "mytask.py"))
+    assert {name: getattr(common, name) for name in flags.SEAM} == before
+    assert float(task.loss_fn(None, None)) == 7 and task.make_model is common.make_model
+    assert task.prepare_data is not common.prepare_data
 
 
 def test_micro_batches_deal_samples_as_more_ranks_would():
     """Every tensor of a batch is dealt out, whatever the structure of the inputs."""
     x, y = {"ids": torch.arange(8) * 10, "mask": torch.arange(8) % 2}, torch.arange(8)
-    parts = list(resumable.micro_batches(x, y, 2))
+    parts = list(data.micro_batches(x, y, 2))
     assert [(xk["ids"].tolist(), yk.tolist(), share, last) for xk, yk, share, last in parts] == \
         [([0, 20, 40, 60], [0, 2, 4, 6], 0.5, False), ([10, 30, 50, 70], [1, 3, 5, 7], 0.5, True)]
     assert [xk["mask"].tolist() for xk, _, _, _ in parts] == [[0] * 4, [1] * 4]
-    [(xk, yk, share, last)] = resumable.micro_batches((torch.ones(3, 2),), torch.arange(3), 1)
+    [(xk, yk, share, last)] = data.micro_batches((torch.ones(3, 2),), torch.arange(3), 1)
     assert isinstance(xk, tuple) and len(yk) == 3 and share == 1 and last
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import resumable
+import data
 from conftest import N_TRAIN, ROOT, assert_same_training_state, load, max_rel_diff, \
     run_script, script_env, sigterm_when, with_task
 
@@ -54,7 +54,7 @@ def logs(folder, kind):
 
 def by_sample(folder, seed=0):
     """{(epoch, index): draw} from the draw logs; each seed must be the one for its sample."""
-    seeds = {resumable.mix(seed, e, i): (e, i) for e in range(EPOCHS) for i in range(N_TRAIN)}
+    seeds = {data.mix(seed, e, i): (e, i) for e in range(EPOCHS) for i in range(N_TRAIN)}
     out = {}
     for row in logs(folder, "draws"):
         assert row["seed"] in seeds, row  # seeded per sample from (seed, epoch, index)

@@ -259,7 +259,7 @@ def test_a_replaced_node_and_the_survivor_finish_the_job(job_factory, tmp_path):
     """Node B dies mid-run; node A goes on alone (its restart count 1); node C, B's
     replacement, joins later (its count 0). torchrun's restart counts are per agent, so the two
     nodes of the new round count differently: the meeting must not depend on them
-    (harness.meet). Both finish at world size 2."""
+    (launch.meet). Both finish at world size 2."""
     job = job_factory([*ARGS, "--epochs", 4], env={**SHARE_OFF, "DDP_TEST_STEP_DELAY": 0.2})
     lose_b_after_a_snapshot(job)
     alone = job.worker("A")

@@ -85,12 +85,12 @@ def test_ddp_without_torchrun_says_how_to_start_it(tmp_path):
 
 
 def test_the_lesson_needs_common_alone():
-    """...and of common.py the task alone (its datasets, model, loss and optimizer recipe) and
-    save_checkpoint: every collective the lesson runs is in the lesson."""
+    """...and of common.py the task alone (its datasets, model, loss and optimizer recipe): every
+    collective the lesson runs, and its checkpoint's write, are in the lesson."""
     for name in ("one_process.py", "ddp.py"):
         text = (ROOT / "lesson" / name).read_text()
         imports = re.findall(r"^(?:import|from) (\w+)", text, re.M)
         assert set(imports) <= {"argparse", "os", "sys", "torch", "common"}, (name, imports)
         assert set(re.findall(r"common\.(\w+)", text)) <= {
             "add_task_flags", "prepare_data", "make_datasets", "collate", "make_model", "loss_fn",
-            "make_optimizer", "make_scheduler", "save_checkpoint"}, name
+            "make_optimizer", "make_scheduler"}, name

@@ -2,9 +2,11 @@
 text classification with dict samples of 5 to 60 tokens, a padding collate and a small
 Transformer (tasks/text.py; 512 samples here, a small tensor each), and regression with the
 test RMSE as its metric (tasks/regression.py). Each is copied outside the checkout and run
-from there, one after the other in the same checkout: each trains through torchrun_ddp.py and
-spawn_ddp.py with 2 processes and --workers 2, is stopped by SIGTERM to every process in the
-middle of an epoch and resumes bit-identically, and --evaluate reports the task's own metric.
+from there, one after the other in the same checkout: each trains through spawn_ddp.py with 2
+processes and --workers 2, is stopped by SIGTERM to every process in the middle of an epoch and
+resumes bit-identically (text under spawn_ddp.py, regression under torchrun_ddp.py: each
+launcher's stop is the same code for any task, test_preemption.py), and --evaluate reports
+the task's own metric.
 A task given as a module name works the same; a task that does not fit fails in one line,
 with its own frames under it, before the first step; the check leaves no trace."""
 import re
@@ -13,17 +15,20 @@ import sys
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, load, read_metrics, run_script, \
-    script_env, sigterm_when, with_task
+from conftest import ROOT, assert_same_training_state, load, read_metrics, read_records, \
+    run_script, script_env, sigterm_when, with_task
 
 pytestmark = pytest.mark.slow
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
-TASKS = {  # flags (8 steps an epoch at 2 processes), the metric and what it must reach
-    "text": (("--samples", 512, "--batch-size", 64), "test_acc", lambda v: v > 40),
-    "regression": (("--samples", 1024, "--batch-size", 128), "test_rmse", lambda v: v < 1.2),
+TASKS = {  # flags (8 steps an epoch at 2 processes), the metric and what it must reach, and
+    # the launcher that stops and resumes it
+    "text": (("--samples", 512, "--batch-size", 64), "test_acc", lambda v: v > 40, "spawn_ddp.py"),
+    "regression": (("--samples", 1024, "--batch-size", 128), "test_rmse", lambda v: v < 1.2,
+                   "torchrun_ddp.py"),
 }
 COMMON = ("--workers", 2, "--epochs", 2, "--log-interval", 1)
+MACHINERY = "checkpoint|data|flags|launch|machine|reporting|_ddp"  # files, less common.py
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +43,17 @@ def outside(tmp_path_factory):
 @pytest.fixture(scope="module", params=list(TASKS))
 def task(request, outside, tmp_path_factory):
     """--task FILE and one run of it that nothing interrupts."""
-    flags, metric, good = TASKS[request.param]
+    flags, metric, good, script = TASKS[request.param]
     flags = ("--task", outside / f"{request.param}.py", *flags)
     out = tmp_path_factory.mktemp(f"{request.param}-straight")
     r = run_script("spawn_ddp.py", *COMMON, *flags, "--checkpoint", out / "c.pt", "--metrics",
                    out / "m.jsonl", cwd=out, timeout=300)
     assert f"task {outside / request.param}.py" in r.stdout.splitlines(), r.stdout
-    return flags, metric, good, out
+    return flags, metric, good, out, script
 
 
 def test_trains_and_reports_its_own_metric(task):
-    flags, metric, good, out = task
+    flags, metric, good, out, _ = task
     rows = read_metrics(out / "m.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2] and good(rows[-1][metric]), rows
     assert not (out / "data").exists()  # MNIST's preparation did nothing for another task
@@ -58,9 +63,8 @@ def test_trains_and_reports_its_own_metric(task):
     assert f"{metric} {rows[-1][metric]:.4g}" in line, (line, rows[-1])
 
 
-@pytest.mark.parametrize("script", ["torchrun_ddp.py", "spawn_ddp.py"])
-def test_stopped_by_sigterm_and_resumed_bit_identical(task, script, tmp_path):
-    flags, _, _, out = task
+def test_stopped_by_sigterm_and_resumed_bit_identical(task, tmp_path):
+    flags, _, _, out, script = task
     ckpt = tmp_path / "c.pt"
     launch = [*TORCHRUN, str(ROOT / script)] if script == "torchrun_ddp.py" else \
         [str(ROOT / script), "--nproc-per-node", "2"]
@@ -69,7 +73,7 @@ def test_stopped_by_sigterm_and_resumed_bit_identical(task, script, tmp_path):
     _, err = sigterm_when(cmd, "epoch 1/2 step 3/", script_env(DDP_TEST_STEP_DELAY=0.2),
                           cwd=tmp_path)  # to every process, data workers too
     assert "DataLoader worker" not in err, err  # (torchrun's agent prints a traceback of its own)
-    assert not re.search(r'File "[^"]*(common|harness|resumable|_ddp)\.py"', err), err
+    assert not re.search(rf'File "[^"]*(common|{MACHINERY})\.py"', err), err
     assert [ln for ln in err.splitlines() if "preempted:" in ln], err
     snap = load(ckpt)
     assert snap["epoch"] == 0 and 3 <= snap["step"] < 8, snap["step"]  # mid-epoch 1
@@ -121,41 +125,70 @@ def make_model(args):
 """
 
 
+TRAIN_MODE_ONLY = """
+class Fails(nn.Module):  # a model that fails in train mode only (a layer of its own, say)
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        if self.training:
+            raise RuntimeError("only in train mode")
+        return self.net(x)
+
+
+make_plain_model = make_model
+
+
+def make_model(args):
+    return Fails(make_plain_model(args))
+"""
+
+
 @pytest.mark.parametrize("name,extra,said,frame", [
     ("regression", BAD_SHAPE, "loss_fn(output, target) raised UserWarning: Using a target size "
      "(torch.Size([32, 1])) that is different to the input size (torch.Size([32]))", "loss_fn"),
     ("text", SHORT_POSITIONS, "the model's forward raised IndexError: index out of range in self",
      "forward"),
-], ids=["target-that-only-broadcasts", "positions-shorter-than-training-sequences"])
+    ("regression", TRAIN_MODE_ONLY, "the model's forward raised RuntimeError: only in train mode",
+     "forward"),
+], ids=["target-that-only-broadcasts", "positions-shorter-than-training-sequences",
+        "a-model-that-fails-in-train-mode-only"])
 def test_a_task_that_does_not_fit_fails_in_one_line_before_training(outside, tmp_path, name,
                                                                      extra, said, frame):
-    """The check runs each process's first training batch through the model in train mode and
-    loss_fn with warnings as errors, and a test batch through evaluate_batch and summarize:
-    one `error:` line per process, before the first step, naming the part that failed, with
-    the task's frames under it (its file and line) and no "Traceback" header."""
+    """The run is the check: each process evaluates a test batch before training (eval mode),
+    and its first training step runs the model in train mode and calls loss_fn with warnings
+    as errors: one `error:` line per process, before any optimizer step and before anything is
+    written, naming the part that failed, with the task's frames under it (its file and line)
+    and no "Traceback" header."""
     bad = tmp_path / f"bad_{name}.py"
     bad.write_text((outside / f"{name}.py").read_text() + extra)
+    rec = tmp_path / "rec"
+    rec.mkdir()
     r = run_script("spawn_ddp.py", "--task", bad, "--samples", 256, "--batch-size", 64,
-                   "--log-interval", 1, cwd=tmp_path, check=False, timeout=300)
+                   "--log-interval", 1, "--checkpoint", tmp_path / "c.pt", cwd=tmp_path,
+                   record=rec, check=False, timeout=300)
+    assert not read_records(rec, "lr") and not (tmp_path / "c.pt").exists()
     errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert r.returncode != 0 and errors, r.stderr
     assert f"error: the task does not fit the scripts: {said}" in errors[0], errors[0]
-    if name == "regression":
+    if extra is BAD_SHAPE:
         assert "output [32] and target [32, 1] only broadcast to each other" in errors[0]
     assert f'File "{bad}", line' in r.stderr and f"in {frame}" in r.stderr, r.stderr
-    assert not re.search(r'File "[^"]*(harness|resumable|_ddp)\.py"', r.stderr), r.stderr
+    assert not re.search(rf'File "[^"]*({MACHINERY})\.py"', r.stderr), r.stderr
     assert "Traceback" not in r.stderr and "step" not in r.stdout, r.stderr
 
 
 def test_the_check_leaves_no_trace(tiny_mnist, tmp_path):
     """A task with random augmentation, dropout and BatchNorm (tests/tasks/augment_dropout.py,
     appended to common.py: the way of defining a task before --task, which still works) trains
-    the same model with the check and without it (DDP_TEST_NO_CHECK)."""
+    the same model with the test batch evaluated before training and without it
+    (DDP_TEST_NO_CHECK), in one process (the batch is each process's own)."""
     repo = with_task(tmp_path / "repo",
                      (ROOT / "tests" / "tasks" / "augment_dropout.py").read_text())
     runs = {}
     for name, env in (("with", {}), ("without", {"DDP_TEST_NO_CHECK": 1})):
-        run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--nproc-per-node", 2, "--epochs", 1,
+        run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--nproc-per-node", 1, "--epochs", 1,
                    "--batch-size", 64, "--checkpoint", tmp_path / f"{name}.pt", repo=repo,
                    cwd=tmp_path, timeout=300, **env)
         runs[name] = load(tmp_path / f"{name}.pt")

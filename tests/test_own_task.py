@@ -1,9 +1,10 @@
 """docs/your-own-task.md's first task as it ships: tasks/cifar10.py (torchvision's ResNet-18 on
 CIFAR-10-shaped images, RandomCrop + RandomHorizontalFlip), given with --task, run with --dummy
 (torchvision's FakeData, made here: no download) and 2 data workers per process.
-Through torchrun_ddp.py and spawn_ddp.py, each stopped by SIGTERM to every process of the job
-(the workers too) in the middle of an epoch and resumed, both end bit-identical to a run never
-interrupted."""
+Trained by spawn_ddp.py, then through torchrun_ddp.py stopped by SIGTERM to every process of the
+job (the workers too) in the middle of an epoch and resumed, it ends bit-identical to the run
+never interrupted. (Each launcher's stop and resume with MNIST: test_preemption.py; with the
+tasks of test_other_tasks.py, one launcher each.)"""
 import sys
 
 import pytest
@@ -28,7 +29,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["torchrun_ddp.py", "spawn_ddp.py"])
+@pytest.mark.parametrize("script", ["torchrun_ddp.py"])
 def test_stopped_by_sigterm_and_resumed_bit_identical(uninterrupted, tmp_path, script):
     ckpt = tmp_path / "c.pt"
     launch = [*TORCHRUN, str(ROOT / script)] if script == "torchrun_ddp.py" else \

@@ -13,8 +13,9 @@ import pytest
 
 from conftest import ROOT, read_metrics, run_script
 
-FILES = ("common.py", "harness.py", "resumable.py", "spawn_ddp.py", "torchrun_ddp.py", "dp_baseline.py",
-         "apex_ddp.py", "bench.py")
+MODULES = ("common.py", "checkpoint.py", "data.py", "flags.py", "launch.py", "machine.py",
+           "reporting.py")
+FILES = (*MODULES, "spawn_ddp.py", "torchrun_ddp.py", "dp_baseline.py", "apex_ddp.py", "bench.py")
 MISSING_OFF_LINUX = {  # absent on macOS and Windows (Python docs: "Availability: Linux")
     "os": {"sched_getaffinity", "sched_setaffinity", "pidfd_open", "memfd_create", "eventfd",
            "posix_fadvise", "O_DIRECT"},

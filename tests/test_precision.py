@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-import harness
+import machine
 from conftest import NO_BF16, load, run_mains, run_script
 
 BF16 = "avx512_bf16=1,amx_bf16=1"
@@ -54,14 +54,14 @@ def test_amp_bf16_warns_only_without_bf16_instructions(script):
 
 @pytest.mark.parametrize("features,said", AUTO, ids=[f for f, _ in AUTO])
 def test_amp_auto_picks_bf16_only_where_the_cpu_computes_it(monkeypatch, features, said):
-    """harness.settle_precision itself, in this process, on the CPU the case describes (what
+    """machine.settle_precision itself, in this process, on the CPU the case describes (what
     torch.cpu.get_capabilities reports, faked as tests/instrument does): one process, no
     checkpoint. (Several processes: test_cluster_safety.py's one precision for the job.)"""
     caps = {} if features == "unknown" else {
         name: bool(int(value)) for name, value in (f.split("=") for f in features.split(","))}
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps, raising=False)
     args, lines = argparse.Namespace(amp="auto", evaluate=False), []
-    harness.settle_precision(args, None, torch.device("cpu"), lines.append)
+    machine.settle_precision(args, torch.device("cpu"), lines.append)
     assert args.amp == ("bf16" if said.startswith("bf16") else "none")
     [line] = lines
     assert line.startswith(f"precision: {said}") and line.endswith(
@@ -93,7 +93,7 @@ def test_the_autocast_dtype_reaches_a_dataparallel_replica_only_through_its_modu
     """DataParallel runs each replica's forward in a thread of its own, which enters autocast
     without a dtype (torch/nn/parallel/parallel_apply.py, for CUDA). The dtype is thread-local:
     a thread that enters autocast bare gets the device's default, not the one the main thread
-    chose. harness.Autocast enters it with the job's dtype inside the replicated module, and
+    chose. machine.Autocast enters it with the job's dtype inside the replicated module, and
     so carries it. Shown here with the CPU's autocast, whose default is bfloat16 (CUDA's is
     float16), in a thread of our own doing what parallel_apply does."""
     import threading
@@ -110,7 +110,7 @@ def test_the_autocast_dtype_reaches_a_dataparallel_replica_only_through_its_modu
             module(torch.ones(1), name)
     with torch.autocast("cpu", dtype=torch.float16):  # the job's precision
         for module, name in ((Probe(), "bare"),
-                             (harness.Autocast(Probe(), torch.float16, "cpu"), "wrapped")):
+                             (machine.Autocast(Probe(), torch.float16, "cpu"), "wrapped")):
             thread = threading.Thread(target=replica, args=(module, name))
             thread.start()
             thread.join()

@@ -1,28 +1,26 @@
-"""Resuming is decided by all processes together (common.agreed_checkpoint). Two "nodes" on
-this machine, each in a folder of its own (a node-local disk), with --save-on-each-node: after
-epoch 1 of 2, one node's checkpoint is deleted (a node that joins with an empty disk, a
-requeue onto another node, a missing mount). The same command again: both nodes resume, the
-one without a copy receives it from the other, and the run ends bit-identical to one that was
-never interrupted, each node with its own copy. Before, each process decided alone and the two
-ran different collectives, until --timeout. (The SLURM batch files are tested the same way in
-test_slurm.py.)"""
+"""Resuming is decided by all processes together (checkpoint.agreed). Two "nodes" on this
+machine, each in a folder of its own (a node-local disk), with --save-on-each-node: after epoch
+1 of 2, one node's checkpoint is deleted (a node that joins with an empty disk, a requeue onto
+another node, a missing mount). The same command again is refused in one line per node, before
+anything trains, and every copy that is left stays as it was; once the file is copied to that
+node, the run resumes and ends bit-identical to one that was never interrupted. Before the
+agreement, each process decided alone and the two ran different collectives, until --timeout.
+(The SLURM batch files resume with a copy on each node: test_slurm.py.)"""
 import shutil
 import subprocess
 import sys
 import uuid
-from collections import Counter
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, free_port, load, read_metrics, \
-    read_records, script_env
+from conftest import ROOT, assert_same_training_state, free_port, load, read_metrics, script_env
 
 pytestmark = pytest.mark.slow
 
 ARGS = ("--batch-size", 64, "--epochs", 2, "--log-interval", 5, "--timeout", 60,
         "--save-on-each-node", "--checkpoint", "ckpt/c.pt", "--metrics", "m.jsonl")
-PIECE = 100_000  # bytes (resumable.PIECE, made small: the checkpoint is about 1 MB)
-MESSAGE = "had no copy of ckpt/c.pt at 1 epoch(s) + 0 step(s): rank {} sends its copy"
+REFUSED = "error: rank(s) {} (node(s) {}) lack the copy of ckpt/c.pt that rank {} resumes from " \
+          "(1 epoch(s) + 0 step(s)): copy it to that node, or use a shared filesystem"
 
 
 @pytest.fixture
@@ -32,105 +30,84 @@ def never_interrupted(straight):
     return load(straight(2, 64, 2) / "c.pt")
 
 
-def launch(cmds, folders, **env):
-    procs = [subprocess.Popen(cmd, cwd=f, env=script_env(OMP_NUM_THREADS=1, **env), text=True,
-                              stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+def launch(cmds, folders, ok=True):
+    procs = [subprocess.Popen(cmd, cwd=f, env=script_env(OMP_NUM_THREADS=1), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True)
              for cmd, f in zip(cmds, folders)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0] if ok else 0 not in codes, "\n".join(outs)
     return outs
 
 
-def torchrun_nodes(tiny_mnist, folders, *extra, **env):
+def torchrun_nodes(tiny_mnist, folders, *extra, ok=True):
     port, job = free_port(), uuid.uuid4().hex[:8]
     return launch([[sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                     "--nproc-per-node=1", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
                     str(ROOT / "torchrun_ddp.py"), "--data-dir", str(tiny_mnist),
-                    *map(str, ARGS), *map(str, extra)] for _ in folders], folders, **env)
+                    *map(str, ARGS), *map(str, extra)] for _ in folders], folders, ok)
 
 
-def spawn_nodes(tiny_mnist, folders, *extra, resume_on=(), nproc=1, **env):
+def spawn_nodes(tiny_mnist, folders, *extra, resume_on=(), nproc=1, ok=True):
     port = free_port()
     return launch([[sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),
                     "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", str(nproc),
                     "--master-addr", "127.0.0.1", "--master-port", str(port), *map(str, ARGS),
                     *map(str, extra), *(["--resume"] if n in resume_on else [])]
-                   for n in range(len(folders))], folders, **env)
+                   for n in range(len(folders))], folders, ok)
 
 
-def check_resumed(folders, outs, never_interrupted):
-    text = "\n".join(outs)
-    assert sum("loaded ckpt/c.pt: 1 epoch(s) + 0 step(s) trained" in o for o in outs) == 1, text
-    assert "had no copy of ckpt/c.pt at 1 epoch(s) + 0 step(s): rank " in text, text
+def refused(outs, line, kept):
+    """Each node's output holds `line` once and no training; `kept` ({path: bytes}) is intact."""
+    for out in outs:
+        assert sum(line in ln for ln in out.splitlines()) == 1, out
+        assert "loaded" not in out and " step " not in out, out
+    assert all(path.read_bytes() == before for path, before in kept.items())
+
+
+@pytest.fixture(scope="module")
+def first_epoch(tiny_mnist, tmp_path_factory):
+    """Epoch 1 of 2 on two nodes of one process each, a copy of the checkpoint on each node,
+    trained once for the tests below: a function that copies both nodes' folders to `to`."""
+    base = tmp_path_factory.mktemp("first-epoch")
+    folders = [base / "node0", base / "node1"]
+    for f in folders:
+        f.mkdir()
+    spawn_nodes(tiny_mnist, folders, "--stop-after", 1)
+    assert all(load(f / "ckpt" / "c.pt")["epoch"] == 1 for f in folders)
+
+    def copy(to):
+        for f in folders:
+            shutil.copytree(f, to / f.name)
+        return [to / f.name for f in folders]
+    return copy
+
+
+def test_torchrun_node_without_the_checkpoint_is_refused_until_it_has_a_copy(
+        tiny_mnist, tmp_path, first_epoch, never_interrupted):
+    folders = first_epoch(tmp_path)
+    copy = folders[0] / "ckpt" / "c.pt"
+    (folders[1] / "ckpt" / "c.pt").unlink()  # node 1's disk lost it
+    outs = torchrun_nodes(tiny_mnist, folders, ok=False)
+    refused(outs, REFUSED.format(1, 1, 0), {copy: copy.read_bytes()})
+    shutil.copy(copy, folders[1] / "ckpt" / "c.pt")  # what the line asks for
+    outs = torchrun_nodes(tiny_mnist, folders)
+    assert sum("loaded ckpt/c.pt: 1 epoch(s) + 0 step(s) trained" in o for o in outs) == 1, outs
     for f in folders:  # each node wrote its own copy again, the same model on both
         assert_same_training_state(never_interrupted, load(f / "ckpt" / "c.pt"))
     [reporter] = [f for f in folders if (f / "m.jsonl").exists()]
     assert [r["epoch"] for r in read_metrics(reporter / "m.jsonl")] == [1, 2]
 
 
-def test_torchrun_node_without_the_checkpoint_receives_it(tiny_mnist, tmp_path,
-                                                          never_interrupted):
-    folders = [tmp_path / "node0", tmp_path / "node1"]
-    for f in folders:
-        f.mkdir()
-    torchrun_nodes(tiny_mnist, folders, "--stop-after", 1)
-    assert all(load(f / "ckpt" / "c.pt")["epoch"] == 1 for f in folders)
-    size = (folders[1] / "ckpt" / "c.pt").stat().st_size
-    (folders[1] / "ckpt" / "c.pt").unlink()  # node 1's disk lost it
-    rec = tmp_path / "rec"
-    rec.mkdir()
-    check_resumed(folders, torchrun_nodes(tiny_mnist, folders, DDP_TEST_RECORD=rec,
-                                          DDP_TEST_PIECE=PIECE), never_interrupted)
-    # Node 1 received the file in pieces of at most PIECE bytes, the whole file in all ...
-    pieces = [r["bytes"] for r in read_records(rec, "broadcast") if r["rank"] == 1]
-    assert max(pieces) <= PIECE and sum(p for p in pieces if p > 8) >= size, pieces
-    # ... and each process read a checkpoint once, mapped onto the CPU: node 0 its own, node 1
-    # the copy it received (check_args of a torchrun worker reads none).
-    loads = read_records(rec, "load")
-    assert sorted(Counter(r["pid"] for r in loads).values()) == [1, 1], loads
-    assert all(r["map_location"] == "cpu" and r["mmap"] for r in loads), loads
-
-
-def test_spawn_node_without_the_checkpoint_receives_it(tiny_mnist, tmp_path, never_interrupted):
-    """As slurm/spawn_ddp.sbatch runs it: --resume on the node that finds the file only."""
-    folders = [tmp_path / "node0", tmp_path / "node1"]
-    for f in folders:
-        f.mkdir()
-    spawn_nodes(tiny_mnist, folders, "--stop-after", 1)
-    (folders[0] / "ckpt" / "c.pt").unlink()  # node 0, rank 0's, this time
-    outs = spawn_nodes(tiny_mnist, folders, resume_on=[1])
-    assert MESSAGE.format(1) in "\n".join(outs)
-    check_resumed(folders, outs, never_interrupted)
-
-
-def test_one_copy_per_node(tiny_mnist, tmp_path):
-    """Two nodes of 2 processes; node 1 lost its copy. Its two processes receive the file as
-    one copy, written by the first of them beside the checkpoint, read by both (node 1's two
-    processes load the same file) and removed once both have mapped it; the run ends as the
-    same resume with every copy in place does. (Before: one temporary copy per process, eight
-    on an 8-GPU node. At 4 processes a resume ends as a resume does, not as a run never
-    interrupted: docs/preemption.md, "Resume decisions".)"""
-    folders = [tmp_path / "node0", tmp_path / "node1"]
-    for f in folders:
-        f.mkdir()
-    spawn_nodes(tiny_mnist, folders, "--stop-after", 1, nproc=2)
-    reference = [tmp_path / "ref0", tmp_path / "ref1"]
-    for f, ref in zip(folders, reference):
-        shutil.copytree(f, ref)
-    spawn_nodes(tiny_mnist, reference, resume_on=[0, 1], nproc=2)
-    (folders[1] / "ckpt" / "c.pt").unlink()
-    rec = tmp_path / "rec"
-    rec.mkdir()
-    outs = spawn_nodes(tiny_mnist, folders, resume_on=[0], nproc=2, DDP_TEST_RECORD=rec)
-    assert MESSAGE.format(0).replace("rank(s) ", "rank(s) 2, 3 ") in "\n".join(outs), outs
-    loads = read_records(rec, "load")
-    received = [r for r in loads if not r["path"].endswith("c.pt")]  # (node 0's launcher checks
-    assert len({r["pid"] for r in received}) == 2, loads               # its file first)
-    assert len({r["path"] for r in received}) == 1, loads
-    assert received[0]["path"].startswith(str(folders[1] / "ckpt")), loads
-    resumed = load(reference[0] / "ckpt" / "c.pt")
-    for f in folders:
-        assert sorted(p.name for p in (f / "ckpt").iterdir()) == ["c.pt"]  # the copy is gone
-        assert_same_training_state(resumed, load(f / "ckpt" / "c.pt"))
+def test_spawn_node_without_the_checkpoint_is_refused_in_one_line_per_node(
+        tiny_mnist, tmp_path, first_epoch):
+    """As slurm/spawn_ddp.sbatch runs it: --resume on the node that finds the file only, now
+    with 2 processes a node. Node 0 (rank 0's) lost its copy; each node says so once."""
+    folders = first_epoch(tmp_path)
+    (folders[0] / "ckpt" / "c.pt").unlink()
+    copy = folders[1] / "ckpt" / "c.pt"
+    outs = spawn_nodes(tiny_mnist, folders, resume_on=[1], nproc=2, ok=False)
+    refused(outs, REFUSED.format("0, 1", 0, 2), {copy: copy.read_bytes()})
+    assert not (folders[0] / "ckpt" / "c.pt").exists()

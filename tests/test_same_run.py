@@ -1,6 +1,6 @@
-"""A checkpoint belongs to its run (resumable.check_same_run; docs/preemption.md, "One run, one
+"""A checkpoint belongs to its run (checkpoint.check_same_run; docs/preemption.md, "One run, one
 checkpoint"). A resume, an elastic restart or a requeue continues only the run that wrote the checkpoint: any
-flag that defines the run (resumable.NOT_THE_RUN lists those that do not) given another value
+flag that defines the run (checkpoint.NOT_THE_RUN lists those that do not) given another value
 is refused in one `error:` line that names each one with both values, before anything is
 written, and the checkpoint stays byte for byte as it was. The same command again continues;
 another world size is the same run; --evaluate compares nothing. A fresh run (no --resume) of

@@ -102,51 +102,45 @@ def test_module_prefixed_checkpoint_is_accepted(trained, tiny_mnist, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("amp", ["bf16", "fp16"])
-def test_mixed_precision_on_cpu(tiny_mnist, tmp_path, amp):
-    ckpt, metrics = tmp_path / "c.pt", tmp_path / "m.jsonl"
-    run_script(SCRIPT, *tiny(tiny_mnist, "--amp", amp, "--epochs", 2, "--stop-after", 1,
-                             "--checkpoint", ckpt))
-    run_script(SCRIPT, *tiny(tiny_mnist, "--amp", amp, "--epochs", 2, "--checkpoint", ckpt,
-                             "--resume", "--metrics", metrics))
-    [row] = read_metrics(metrics)
-    assert row["epoch"] == 2 and row["train_loss"] == row["train_loss"]  # not NaN
-    scaler = load(ckpt)["scaler"]
-    assert bool(scaler) == (amp == "fp16")  # only fp16 needs (and saves) a loss scale
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("script", ["spawn_ddp.py", "dp_baseline.py"])
 def test_the_schedule_waits_for_a_step_that_fp16_skipped(tiny_mnist, tmp_path, script):
-    """fp16 autocast on the CPU with a GradScaler, and an infinite gradient forced on the 13th
-    loss (tests/instrument): the scaler skips that optimizer step and halves its scale, and the
-    script does not step the LR schedule either (pytorch/pytorch#44511): the scheduler counts
-    exactly the optimizer's steps, however many it skipped."""
+    """fp16 autocast on the CPU with a GradScaler, and an infinite gradient forced on a loss of
+    epoch 2 (tests/instrument): the scaler skips that optimizer step and halves its scale, and
+    the script does not step the LR schedule either (pytorch/pytorch#44511): the scheduler
+    counts exactly the optimizer's steps, however many it skipped. spawn_ddp.py stops after
+    epoch 1 and resumes: the scale is saved (only fp16 has one; bf16:
+    test_a_resume_keeps_the_precision_of_its_run) and continued."""
     ckpt, processes = tmp_path / "c.pt", ["--nproc-per-node", 2] * (script == "spawn_ddp.py")
-    r = run_script(script, "--data-dir", tiny_mnist, *processes, "--batch-size", 64, "--amp",
-                   "fp16", "--epochs", 2, "--checkpoint", ckpt, DDP_TEST_INF_GRAD_STEP=13)
+    flags = ["--data-dir", tiny_mnist, *processes, "--batch-size", 64, "--amp", "fp16",
+             "--epochs", 2, "--checkpoint", ckpt, "--metrics", tmp_path / "m.jsonl"]
+    if script == "spawn_ddp.py":  # epoch 1, then epoch 2 in a resumed run
+        run_script(script, *flags, "--stop-after", 1)
+        assert load(ckpt)["scaler"]["scale"] == 2.0 ** 16  # nothing skipped yet
+        flags.append("--resume")
+    r = run_script(script, *flags, DDP_TEST_INF_GRAD_STEP=3 if "--resume" in flags else 13)
     assert r.stderr.count("test instrumentation: infinite gradient") >= 1, r.stderr
     ckpt = load(ckpt)
     steps = {int(s["step"]) for s in ckpt["optimizer"]["state"].values()}
     assert len(steps) == 1 and steps.pop() == ckpt["scheduler"]["last_epoch"] < 2 * 10
     assert ckpt["scaler"]["scale"] < 2.0 ** 16  # halved on each skip
+    row = read_metrics(tmp_path / "m.jsonl")[-1]
+    assert row["epoch"] == 2 and row["train_loss"] == row["train_loss"]  # not NaN
 
 
 @pytest.mark.slow
-def test_channels_last_trains_and_saves_a_plain_checkpoint(tiny_mnist, tmp_path):
-    """--channels-last: NHWC weights go through DDP's gradient buckets without a stride
-    warning, are saved as they are, and the checkpoint evaluates the same without the flag."""
-    ckpt = tmp_path / "c.pt"
-    r = run_script(SCRIPT, *tiny(tiny_mnist, "--channels-last", "--checkpoint", ckpt,
-                                 "--metrics", tmp_path / "train.jsonl"))
-    assert "stride" not in r.stderr.lower()  # DDP warns when grads and buckets differ in layout
-    w = load(ckpt)["model"]["features.4.weight"]  # the 16-channel conv
+def test_channels_last_trains_and_saves_a_plain_checkpoint(trained, tiny_mnist, tmp_path):
+    """--channels-last, MNIST's default (the `trained` run): NHWC weights go through DDP's
+    gradient buckets without a stride warning, are saved as they are, and the checkpoint
+    evaluates the same in NCHW (--no-channels-last)."""
+    d, result = trained
+    assert "stride" not in result.stderr.lower()  # DDP warns when grads and buckets differ
+    w = load(d / "ckpt" / "model.pt")["model"]["features.4.weight"]  # the 16-channel conv
     assert w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
-    [trained] = read_metrics(tmp_path / "train.jsonl")
-    assert trained["train_loss"] < 2.0  # below chance level, ln(10) = 2.3
+    last = read_metrics(d / "metrics.jsonl")[-1]
     run_script(SCRIPT, "--data-dir", tiny_mnist, "--nproc-per-node", 1, "--evaluate",
-               "--checkpoint", ckpt, "--metrics", tmp_path / "eval.jsonl")
-    assert read_metrics(tmp_path / "eval.jsonl")[0]["correct"] == trained["correct"]
+               "--no-channels-last", "--checkpoint", d / "ckpt" / "model.pt", "--metrics",
+               tmp_path / "eval.jsonl")
+    assert read_metrics(tmp_path / "eval.jsonl")[0]["correct"] == last["correct"]
 
 
 @pytest.mark.slow

@@ -108,7 +108,7 @@ def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, str
     leave the previous snapshot intact."""
     snap = tmp_path / "snap.pt"
 
-    def tmp_files():  # the writer's own temporary file (common.save_checkpoint)
+    def tmp_files():  # the writer's own temporary file (checkpoint.save)
         return list(tmp_path.glob("snap.pt.*.tmp"))
     mid_write = victim.endswith("writing")
     (tmp_path / "rec").mkdir()

@@ -9,7 +9,6 @@ changes none of their results:
                         the threads then running), every process group made after the first,
                         the size of every tensor broadcast and the shape and dtype of every one all-reduced,
                         and how long the store given to init_process_group waits
-  DDP_TEST_PIECE=BYTES  resumable.PIECE, the largest piece of a checkpoint sent at once
   DDP_TEST_BLOCK=NAME   make `import NAME` fail, to test the message for a missing package
   DDP_TEST_STEP_DELAY=S sleep S seconds before every optimizer step (slower, same results), so
                         that a test can kill a worker in the middle of an epoch
@@ -23,9 +22,9 @@ changes none of their results:
                         ("unknown": it reports nothing, as where torch cannot tell)
   DDP_TEST_NOT_LINUX=1  a stand-in for macOS and Windows: os.sched_getaffinity and
                         os.sched_setaffinity are gone and /proc cannot be read
-  DDP_TEST_NO_CHECK=1   harness.check_task does nothing: the scripts without the check of the
-                        task before training, to show that it leaves no trace
-  DDP_TEST_NO_STOP=1    resumable.StopSignal never stops the run and runs no all-reduce: the
+  DDP_TEST_NO_CHECK=1   common.evaluate(..., batches=1) does nothing: the scripts without the
+                        test batch they evaluate before training, to show that it leaves no trace
+  DDP_TEST_NO_STOP=1    checkpoint.StopSignal never stops the run and runs no all-reduce: the
                         scripts without their per-step SIGTERM check, so that bench.py can
                         measure what the check costs (--with-env, see docs/speed.md)
   DDP_TEST_ALLREDUCE_LOG=DIR
@@ -51,7 +50,7 @@ changes none of their results:
                         (asked once the process group exists): one machine of the job with
                         another CPU
   DDP_TEST_BACKEND_OF=RANK:KIND
-                        the process of global rank RANK says at the meeting (harness.meet) that it
+                        the process of global rank RANK says at the meeting (launch.meet) that it
                         would train with KIND ("nccl on cuda"): one node of the job with GPUs
   DDP_TEST_STALL, DDP_TEST_SKIP_REDUCE and DDP_TEST_LATE print one line on stderr when they
   act ("test instrumentation: ...").
@@ -157,12 +156,15 @@ def _patch_module(name, patch):
 
 
 if os.environ.get("DDP_TEST_NO_CHECK"):
-    _patch_module("harness", lambda harness: setattr(harness, "check_task", lambda *a, **k: None))
+    def _no_first_test_batch(common):
+        evaluate = common.evaluate
+        common.evaluate = lambda *a, batches=None, **k: {} if batches else evaluate(*a, **k)
+    _patch_module("common", _no_first_test_batch)
 
 if os.environ.get("DDP_TEST_NO_STOP"):
-    def _no_stop_check(resumable):
-        resumable.StopSignal.__call__ = lambda self, step: False
-    _patch_module("resumable", _no_stop_check)
+    def _no_stop_check(checkpoint):
+        checkpoint.StopSignal.__call__ = lambda self, step: False
+    _patch_module("checkpoint", _no_stop_check)
 
 if os.environ.get("DDP_TEST_ALLREDUCE_LOG"):
     import torch.distributed as dist
@@ -236,19 +238,14 @@ if os.environ.get("DDP_TEST_LATE"):
     dist.init_process_group = _late_init
 
 if os.environ.get("DDP_TEST_BACKEND_OF"):
-    def _other_backend(harness):
+    def _other_backend(launch):
         rank, kind = os.environ["DDP_TEST_BACKEND_OF"].split(":", 1)
-        meet = harness.meet
+        meet = launch.meet
 
         def meet_as_other(store, r, *args):
             return meet(store, r, *args[:-1], kind if r == int(rank) else args[-1])
-        harness.meet = meet_as_other
-    _patch_module("harness", _other_backend)
-
-if os.environ.get("DDP_TEST_PIECE"):
-    def _small_pieces(resumable):
-        resumable.PIECE = int(os.environ["DDP_TEST_PIECE"])
-    _patch_module("resumable", _small_pieces)
+        launch.meet = meet_as_other
+    _patch_module("launch", _other_backend)
 
 RECORD = os.environ.get("DDP_TEST_RECORD")
 if RECORD:

@@ -5,13 +5,15 @@
 import hashlib  # noqa: E402
 import json  # noqa: E402
 
+from torch.utils.data import Dataset  # noqa: E402
+
 _mnist_datasets = make_datasets  # noqa: F821 (this file is appended to common.py)
 
 
 def _log(kind, **row):
     folder = os.environ.get("DDP_TEST_TASK_LOG")
-    # Training only: the check before training (harness.check_task, under no_grad) draws its
-    # first batch once more and runs the model once; test_the_check_leaves_no_trace covers it.
+    # Training only: the test batch evaluated before training (under no_grad) runs the model
+    # once more; test_the_check_leaves_no_trace covers it.
     if folder and torch.is_grad_enabled():
         parent = torch.multiprocessing.parent_process()  # a data worker's: its training process
         row.update(rank=dist.get_rank() if dist.is_initialized() else None, pid=os.getpid(),

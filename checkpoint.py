@@ -1,0 +1,250 @@
+"""The checkpoint: what it holds, written by one process and read by all, agreed (whether and
+from where the processes resume, together), compared (a checkpoint continues its own run only),
+and the SIGTERM stop that writes one at a step all processes agree on. docs/preemption.md."""
+import os
+import secrets
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+import common
+import data
+import machine
+from common import Fatal
+
+
+# ---- The file: written once, atomically; read on the CPU, weights only ------------------
+
+def state(model, optimizer, scheduler, scaler, epoch, step, args):
+    """Plain tensors and values only. `epoch` epochs done, plus `step` steps of the next one."""
+    return {"model": model.state_dict(),  # the plain model: no "module." prefix
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(), "epoch": epoch, "step": step, "args": vars(args)}
+
+
+def save(state, path):
+    """A temporary file of this writer's own in the same folder, on the disk, renamed over `path`:
+    a crash, a kill or a full disk leaves the previous checkpoint whole; writers never collide."""
+    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(state, f)  # a file, not a path: a failed write is an OSError of Python's
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before the rename makes it the checkpoint
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save raises the zip writer's RuntimeError,
+        cause = e.__context__ if isinstance(e, RuntimeError) else e  # the OSError its context
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if not isinstance(cause, OSError):
+            raise
+        raise Fatal(f"could not write the checkpoint {path} ({cause.strerror or cause}); the "
+                    "previous one, if any, is intact") from None
+
+
+def load(path):
+    """The checkpoint's tensors on the CPU, mapped from the file, not copied (processes on one
+    machine share its pages); weights_only, as unpickling arbitrary objects could run code."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise Fatal(f"no checkpoint at {path}") from None
+    except Exception as e:
+        raise Fatal(f"checkpoint {path} is corrupt or truncated ({common.reason(e)[:200]})") \
+            from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise Fatal(f"{path} is not a checkpoint of these scripts (no 'model' entry)")
+    return ckpt
+
+
+# ---- Resuming together, the same run only --------------------------------------------------
+
+NO_RESUME, RESUME_IF_FOUND, RESUME = 0, 1, 2  # what one process asks for
+# The flags that do not define a run: where files go, how the job is spread, started and
+# reported, how fast it runs, and what this one invocation does. Every other flag defines it,
+# a task's own too, except a task's flag named --*-dir, --*-path or --*-file (where its data
+# is, not what). docs/preemption.md#one-run-one-checkpoint says why each is where it is.
+NOT_THE_RUN = {"stop_after", "workers", "channels_last", "compile", "checkpoint", "save_every",
+               "resume", "evaluate", "metrics", "log_interval", "save_on_each_node", "timeout",
+               "join_timeout", "nproc_per_node", "nnodes", "node_rank", "master_addr",
+               "master_port", "local_rank", "gpus", "native"}
+
+
+def run_flags(args):
+    """The flags that define the run of `args`, as {dest: value}; --amp auto is the checkpoint's
+    precision when resuming (`agreed`), so it is not compared."""
+    return {k: v for k, v in vars(args).items() if k not in NOT_THE_RUN
+            and not k.endswith(("_dir", "_path", "_file")) and (k, v) != ("amp", "auto")}
+
+
+def check_same_run(args, ckpt, path):
+    """Refuses, in one line, to continue a checkpoint that another run wrote: every flag that
+    defines the run and that both know, with the value in the checkpoint and the value now."""
+    then, now = ckpt.get("args", {}), run_flags(args)
+    differ = [differs(k, then[k], v) for k, v in sorted(now.items()) if k in then and then[k] != v]
+    if differ:
+        raise Fatal(f"{path} is the checkpoint of another run: {'; '.join(differ)}. Give its "
+                    "flags to continue it, or another --checkpoint to start a new run")
+
+
+def differs(dest, then, now):
+    """"--batch-size 256 in the checkpoint, 128 now"; "--dummy now, not in the checkpoint"."""
+    flag = "--" + dest.replace("_", "-")
+    if isinstance(then, bool) or isinstance(now, bool):
+        return f"{flag} {'in the checkpoint, not now' if then else 'now, not in the checkpoint'}"
+    return f"{flag} {then if then is not None else '(not given)'} in the checkpoint, " \
+           f"{now if now is not None else '(not given)'} now"
+
+
+def agreed(args, wish, device, log=print):
+    """The checkpoint every process resumes from, or None, decided by all together: each says
+    what it asks for, which snapshot it sees (nodes may have disks of their own), its node and
+    the run its flags define. They resume if any asks to and any has a snapshot, all from the
+    same one; a process that lacks it (a node that joins with an empty disk, or an older copy) is
+    refused, with every copy left as it was: no process runs other collectives than the rest. A
+    checkpoint of another run, or processes started with different flags, are refused before
+    anything is written; --evaluate compares nothing. A resumed --amp auto is the checkpoint's."""
+    path = args.checkpoint
+    ckpt = load(path) if wish and path and os.path.exists(path) else None
+    node = int(os.environ.get("GROUP_RANK", getattr(args, "node_rank", 0)))  # torchrun's, spawn's
+    run = data.mix(*sorted(run_flags(args).items()))
+    everyone = [(wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)), node, run)]
+    if dist.is_initialized():  # tensors, not all_gather_object: nothing unpickled from others
+        mine = torch.tensor(everyone[0], device=device)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        common.recent.extend([mine, *gathered])
+        dist.all_gather(gathered, mine)
+        everyone = [tuple(t.tolist()) for t in gathered]
+    # A refusal is said once per node, by its first process; the others end quietly.
+    says = dist.get_rank() == next(r for r, e in enumerate(everyone) if e[3] == node) \
+        if dist.is_initialized() else True
+    other = [r for r, e in enumerate(everyone) if e[4] != everyone[0][4]]
+    if other:
+        raise Fatal(f"the processes of rank(s) {', '.join(map(str, other))} were started with "
+                    "other flags than rank 0's; give every node the same command" * says)
+    wish, newest = max(e[0] for e in everyone), max(e[1:3] for e in everyone)
+    if wish == NO_RESUME or (newest == (-1, -1) and wish == RESUME_IF_FOUND):
+        return None
+    if newest == (-1, -1):
+        raise Fatal(f"no checkpoint at {path}" + " on any node" * (len(everyone) > 1))
+    behind = [r for r, e in enumerate(everyone) if e[1:3] != newest]
+    if behind:
+        source = next(r for r, e in enumerate(everyone) if e[1:3] == newest)
+        nodes = sorted({everyone[r][3] for r in behind})
+        raise Fatal(f"rank(s) {', '.join(map(str, behind))} (node(s) {', '.join(map(str, nodes))})"
+                    f" lack the copy of {path} that rank {source} resumes from ({newest[0]} "
+                    f"epoch(s) + {newest[1]} step(s)): copy it to that node, or use a shared "
+                    "filesystem" * says)
+    if not args.evaluate:
+        try:
+            check_same_run(args, ckpt, path)
+        except Fatal as e:
+            raise Fatal(str(e) * says) from None
+        if args.amp == "auto":  # the precision the run was trained in
+            args.amp = ckpt["args"].get("amp", "none")
+            log(f"precision: {machine.PRECISION[args.amp]}, the precision the checkpoint was "
+                "trained in (--amp auto)")
+            machine.warn_if_slower(args.amp, device.index if device.type == "cuda" else None)
+    return ckpt
+
+
+def restore(ckpt, model, optimizer, scheduler, scaler, path, log=print):
+    """A checkpoint (or None) loaded into freshly built objects: (epoch, step) to continue from.
+    The checkpoint is emptied, so that the file it maps is let go."""
+    if not ckpt:
+        return 0, 0
+    load_model_state(model, ckpt["model"], path)
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    if ckpt.get("scaler") and scaler.is_enabled():  # a checkpoint without fp16 has no scale
+        scaler.load_state_dict(ckpt["scaler"])
+    position = ckpt["epoch"], ckpt.get("step", 0)
+    log(f"loaded {path}: {position[0]} epoch(s) + {position[1]} step(s) trained")
+    ckpt.clear()
+    return position
+
+
+def load_model_state(model, state_dict, path, assign=False):
+    """Strict load; a "module." prefix from an old DataParallel/DDP save is stripped first."""
+    consume_prefix_in_state_dict_if_present(state_dict, "module.")
+    try:
+        model.load_state_dict(state_dict, assign=assign)
+    except RuntimeError as e:
+        detail = " ".join(ln.strip() for ln in str(e).splitlines()[1:3])
+        raise Fatal(f"checkpoint {path} does not fit this model: {detail[:300]}") from None
+
+
+def check_file(args, task):
+    """Before any process starts (spawn_ddp.py, dp_baseline.py): the --checkpoint to resume or
+    evaluate is read once, compared with this run, and fitted to the model's shapes (on the meta
+    device: no memory, no data), so that a bad one is one line, not one per process."""
+    with torch.device("meta"):
+        model = task.make_model(args)
+    ckpt = load(args.checkpoint)
+    if not args.evaluate:
+        check_same_run(args, ckpt, args.checkpoint)
+    load_model_state(model, ckpt["model"], args.checkpoint, assign=True)
+
+
+# ---- The SIGTERM stop -----------------------------------------------------------------------
+
+class Preempted(Fatal):
+    """SIGTERM arrived and the run stopped: exit code 143 (128 + 15, what shells report for
+    "terminated"), and the message, if any, on stderr."""
+    code, says = 143, "preempted"
+
+
+AGREE_EVERY = 1.0  # seconds: about how often the processes agree on a stop
+
+
+class StopSignal:
+    """SIGTERM, what SLURM, Kubernetes and torchrun send before they kill a job. Without a
+    checkpoint it stops the process at once, as Ctrl-C does. With one, the handler sets a flag,
+    and the processes add up their flags in one all-reduce on the training backend: before an
+    epoch's first and last steps, and about every AGREE_EVERY seconds between them. All stop
+    at the same step, and the snapshot is one model. The same all-reduce carries each process's
+    seconds per step since the last check; the slowest one sets how many steps the next check
+    is away, the same number in every process. So a stop comes within about a second or a step,
+    whichever is longer, however long steps take (a grace time of 30 s, SLURM's KillWait and
+    torchrun's, must hold that and the write), and fast steps pay one small all-reduce a second."""
+
+    def __init__(self, checkpoint, device, steps):
+        self.received, self.device, self.steps = False, device, steps
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.agree = checkpoint and dist.is_initialized() and dist.get_world_size() > 1
+        self.next, self.last = 0, None  # the step of the next check; (step, time) of the last
+        signal.signal(signal.SIGTERM, self._received if checkpoint else self._stop_now)
+
+    def _received(self, signum, frame):
+        self.received = True
+
+    def _stop_now(self, signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already: once is enough
+        raise Preempted("stopped on SIGTERM; nothing saved (no --checkpoint)" * (self.rank == 0))
+
+    def __call__(self, step):
+        """Called by every process before every step: True when all are to stop before `step`."""
+        if not self.agree:
+            return self.received
+        first = self.last is None or step <= self.last[0]  # a new epoch (or a resumed one)
+        if not (first or step >= self.next or step == self.steps):
+            return False
+        per_step = 0.0 if first else (time.perf_counter() - self.last[1]) / (step - self.last[0])
+        both = torch.tensor([float(self.received), per_step], device=self.device)
+        common.recent.append(both)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # anyone's flag; the slowest process's pace
+        received, per_step = both.tolist()
+        self.next = step + (max(1, int(AGREE_EVERY / per_step)) if per_step > 0 else 1)
+        self.last = (step, time.perf_counter())
+        return received > 0
+
+    def stopped(self, checkpoint, epoch, step):
+        """The exception that ends the run after the snapshot at `step` of `epoch`."""
+        return Preempted(f"stopped on SIGTERM after step {step} of epoch {epoch + 1}; snapshot in "
+                         f"{checkpoint}: rerun with --resume to continue" * (self.rank == 0))
+
+    def close(self):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,0 +1,347 @@
+"""The command line, defined once so that a flag means the same in every script, and its
+checks: each flag's range in its type=, and what cannot work refused in check_args, in one line
+before anything starts (docs/flags.md). --task's file or module is loaded here too, as the one
+name through which the scripts call the task (`load_task`)."""
+import argparse
+import functools
+import importlib
+import math
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import traceback
+import types
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import common
+import machine
+from common import Fatal
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # "error: argument --lr: ..." and exit 2, without the usage text
+        raise Fatal(message)
+
+
+def ranged(kind, ok, what):
+    """An argparse type= that converts and checks: `ranged(int, lambda v: v > 0, "...")`."""
+    def convert(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return convert
+
+
+positive_int = ranged(int, lambda v: v > 0, "an integer > 0")
+natural_int = ranged(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = ranged(float, lambda v: 0 < v < math.inf, "a number > 0")
+natural_float = ranged(float, lambda v: 0 <= v < math.inf, "a number >= 0")
+
+
+def gpu_ids(text):
+    """--gpus: distinct ids of this machine's GPUs, "0,1" -> [0, 1]."""
+    ids = ranged(lambda t: [int(i) for i in t.split(",")], lambda v: all(i >= 0 for i in v),
+                 "comma-separated GPU ids")(text)
+    gpus = torch.cuda.device_count()
+    if len(set(ids)) < len(ids):
+        raise argparse.ArgumentTypeError(f"GPU ids must differ, got {text!r}")
+    if max(ids) >= gpus:
+        raise argparse.ArgumentTypeError(f"got {text!r}, but this machine has {gpus} GPU(s)" + (
+            f": ids 0 to {gpus - 1}" if gpus else ""))
+    return ids
+
+
+def parse_args(description, launcher, argv=None):
+    """The flags of every script (docs/flags.md), those of `launcher` ("dp": one process;
+    "spawn"; "torchrun"; "apex"), then the task's (common.add_task_flags, once --task, read
+    first, has been loaded), from `argv` (default: the command line)."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--task")
+    task = load_task(first.parse_known_args(argv)[0].task)
+    p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a, d = p.add_argument, " (default: %(default)s)"
+    a("--task", metavar="FILE_OR_MODULE", help="the task to train: a Python file (tasks/text.py) "
+      "or a module (mypkg.text) defining the names of docs/your-own-task.md; what it leaves "
+      "out is common.py's (default: common.py's, MNIST)")
+    a("--epochs", type=positive_int, default=1, help="epochs the LR schedule spans" + d)
+    a("--stop-after", type=positive_int, metavar="EPOCH", help="end this run after this epoch, "
+      "keeping the schedule of --epochs (continue later with --resume)")
+    a("--batch-size", type=positive_int, default=256, help="GLOBAL batch over all processes; "
+      "each takes batch-size / world-size" + d)
+    a("--accumulate", type=positive_int, default=1, metavar="N", help="N forward and backward "
+      "passes (micro-batches) per optimizer step, gradients all-reduced once per step" + d)
+    a("--workers", type=natural_int, default=0, metavar="N", help="data-loading processes per "
+      "training process; 0 loads in the training process, best for in-memory MNIST" + d)
+    a("--lr", type=positive_float, default=0.01, help="peak learning rate at a global batch of "
+      f"{common.REFERENCE_BATCH}, scaled to --batch-size by --lr-scaling" + d)
+    a("--lr-scaling", choices=list(common.LR_RULES), default="sqrt", help="how the LR follows "
+      "the global batch: sqrt (Adam, used here), linear (SGD), none" + d)
+    a("--warmup-epochs", type=natural_float, default=0.2, help="linear LR warmup, in epochs, "
+      f"at least {common.MIN_WARMUP_STEPS} steps" + d)
+    a("--seed", type=ranged(int, lambda v: 0 <= v < 2 ** 63, "an integer 0 to 2**63-1"),
+      default=0, help="seed for weights, shuffling, augmentation and dropout" + d)
+    a("--amp", choices=["auto", "none", "bf16", "fp16"], default="auto", help="mixed precision: "
+      "torch.autocast with this dtype, fp16 with a GradScaler; auto: bf16 where the device "
+      "computes it (a GPU from Ampere on; a CPU with AVX512_BF16, AMX or ARM BF16), else none "
+      "(fp32)" + d)
+    a("--sync-bn", action="store_true", help="convert BatchNorm to SyncBatchNorm (CUDA only)")
+    a("--channels-last", action=argparse.BooleanOptionalAction, default=False, help="the model "
+      "and 4-D input batches in channels_last (NHWC) memory format: faster convolutions "
+      "(docs/speed.md); the task's default (MNIST's: on; --no-channels-last: off)")
+    a("--compile", action="store_true", help="torch.compile the DDP-wrapped model")
+    a("--checkpoint", metavar="PATH", help="written by one process after every epoch; with it, "
+      "a SIGTERM stops every process at the same step and saves there")
+    a("--save-every", type=natural_int, default=0, metavar="STEPS", help="also write "
+      "--checkpoint every this many steps; a resume continues from that step" + d)
+    a("--resume", action="store_true", help="continue from --checkpoint")
+    a("--evaluate", action="store_true", help="evaluate the model in --checkpoint and exit")
+    a("--metrics", metavar="PATH", help="append one JSON object per epoch (rank 0)")
+    a("--log-interval", type=positive_int, default=50, metavar="STEPS",
+      help="progress line every this many steps" + d)
+    if launcher == "dp":
+        a("--gpus", type=gpu_ids, help="GPU ids, e.g. 0,1 (default: all)")
+        p.set_defaults(save_on_each_node=False, timeout=None, join_timeout=None)
+    else:
+        a("--save-on-each-node", action="store_true", help="one checkpoint writer per node "
+          "(local rank 0), for nodes without a shared filesystem")
+        a("--timeout", type=positive_float, default=600, metavar="SECONDS", help="how long a "
+          "collective waits for the slowest process, e.g. one writing a checkpoint" + d)
+        a("--join-timeout", type=positive_float, default=60, metavar="SECONDS", help="how long "
+          "the processes wait for each other at start-up" + d)
+    if launcher == "spawn":
+        g = p.add_argument_group("launch (spawn)").add_argument
+        g("--nproc-per-node", type=positive_int, help="processes on this machine (default: one "
+          "per GPU, or 2 without a GPU)")
+        g("--nnodes", type=positive_int, default=1, help="machines" + d)
+        g("--node-rank", type=natural_int, default=0, help="this machine's index")
+        g("--master-addr", help="node 0's address, reachable from every node")
+        g("--master-port", type=ranged(int, lambda v: 0 < v < 65536, "a port number 1-65535"),
+          help="a free port on node 0 (one machine without it: a private file, no port)")
+    if launcher in ("torchrun", "apex"):
+        g = p.add_argument_group(f"launch (torchrun){' and apex' * (launcher == 'apex')}")
+        g.add_argument("--local-rank", "--local_rank", type=natural_int, default=0, help="passed "
+                       "by python -m torch.distributed.launch; LOCAL_RANK in the environment wins")
+    if launcher == "apex":
+        g.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O1", help="apex "
+                       "amp opt level; natively O0 is fp32, the others autocast (docs/apex.md)" + d)
+        g.add_argument("--native", action="store_true", help="the native path even if apex works")
+    task.add_task_flags(p)  # last: a task may also change the defaults above (set_defaults)
+    args = p.parse_args(argv)
+    args.task = args.task and os.path.normpath(args.task)  # as compared by a resume
+    if launcher == "dp" and args.gpus is None:
+        args.gpus = list(range(torch.cuda.device_count()))
+    if launcher == "spawn" and args.nproc_per_node is None:  # one process per GPU
+        args.nproc_per_node = torch.cuda.device_count() or 2
+    return args
+
+
+SEAM = ("add_task_flags", "prepare_data", "make_datasets", "collate", "make_model", "loss_fn",
+        "make_optimizer", "make_scheduler", "evaluate_batch", "summarize")  # your-own-task.md
+TASK_CODE = {}  # the loaded task's functions' code: how an error in them is said (`failure`)
+CHECKING = [True]  # until loss_fn's first call returns: a failure in the task is a misfit
+
+
+def load_task(name):
+    """The task the scripts train, as one namespace of the names in SEAM: those of --task (a
+    Python file, or an importable module) where it defines them, common.py's where it does not,
+    and all of common.py's without --task. common.py's own names are never rebound. A task that
+    makes its own datasets prepares none of MNIST's. A file is imported under its own name with
+    its folder on the path, so that processes started by spawn import it by that name too. (A
+    checkpoint names its task only to be compared: no code is ever imported because a file says
+    so, docs/security.md.) The first call of loss_fn is checked (`first_call_checked`)."""
+    module = common
+    if name and (name.endswith(".py") or os.sep in name or "/" in name):
+        if not os.path.isfile(name):
+            raise Fatal(f"--task {name}: no such file")
+        folder, module = os.path.split(os.path.abspath(name)[:-len(".py")])
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    elif name:
+        module = name
+    if module is not common:
+        try:
+            module = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
+                raise  # a module the task imports is missing: its own line and frames
+            raise Fatal(f"--task {name}: no module named {e.name}") from None
+    task = types.SimpleNamespace(**{n: getattr(module, n, getattr(common, n)) for n in SEAM})
+    if module is not common and hasattr(module, "make_datasets") \
+            and not hasattr(module, "prepare_data"):
+        task.prepare_data = lambda args: None  # common.py's prepares MNIST
+    TASK_CODE.clear()
+    CHECKING[:] = [True]
+    TASK_CODE.update({f.__code__: n for n, f in vars(task).items() if hasattr(f, "__code__")})
+    task.loss_fn = first_call_checked(task.loss_fn)
+    TASK_CODE[task.loss_fn.__code__] = "loss_fn"
+    return task
+
+
+def first_call_checked(loss_fn):
+    """loss_fn, whose first call in a process (the first training step) raises the warnings of
+    its own arithmetic as errors, and refuses a loss that is not one number: a loss whose output
+    and target only broadcast to each other warns, and would train on nonsense. Only loss_fn's:
+    a model's forward may warn of nothing wrong (a library's notices)."""
+    @functools.wraps(loss_fn)
+    def checked(output, target):
+        if not CHECKING:
+            return loss_fn(output, target)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                loss = loss_fn(output, target)
+            if torch.as_tensor(loss).numel() != 1:
+                raise ValueError(f"it returned a tensor of shape {list(loss.shape)}, not one "
+                                 "number")
+        except Exception as e:
+            if torch.is_tensor(output) and torch.is_tensor(target) \
+                    and output.shape != target.shape:
+                try:
+                    torch.broadcast_shapes(output.shape, target.shape)
+                    e.task_note = f"; output {list(output.shape)} and target " \
+                                  f"{list(target.shape)} only broadcast to each other"
+                except RuntimeError:
+                    pass
+            raise
+        CHECKING.clear()
+        return loss
+    return checked
+
+
+def failure(e):
+    """(`error:`'s line and the frames under it, the exit code) for an exception. One raised in
+    the task's code (a function of the task, the model's forward, the dataset): its line and the
+    frames of the task's files alone; up to the first loss (`CHECKING`) the line says "the task
+    does not fit the scripts: PART raised ...", and the code is 2, bad input. Any other: its
+    line, its frames but the first (main's), and code 1."""
+    frames = list(traceback.walk_tb(e.__traceback__))
+    codes = [frame.f_code for frame, _ in frames]
+    files = {code.co_filename for code in TASK_CODE} - {failure.__code__.co_filename}  # less ours
+    helpers = {common.forward.__code__, common.to_device.__code__, common.evaluate.__code__}
+    part = next((f"{TASK_CODE[c]}({', '.join(c.co_varnames[:c.co_argcount])})"
+                 for c in codes if c in TASK_CODE), None)
+    if part is None and common.forward.__code__ in codes:
+        part = "the model's forward"
+    elif part is None and any(c.co_filename.endswith(os.path.join("_utils", "fetch.py"))
+                              for c in codes):  # the DataLoader's fetch, in this process
+        part = "the dataset"
+    if part is None:
+        return f"{common.reason(e)}\n" + "".join(traceback.format_list(
+            traceback.extract_tb(e.__traceback__)[1:])).rstrip(), 1
+    kept = [(f, n) for f, n in frames if f.f_code.co_filename in files
+            and f.f_code not in helpers]
+    line = f"the task does not fit the scripts: {part} raised {common.reason(e)}" \
+        f"{getattr(e, 'task_note', '')} (docs/your-own-task.md)" if CHECKING else common.reason(e)
+    frames = "".join(traceback.StackSummary.extract(kept).format()).rstrip()
+    return f"{line}\n{frames}".rstrip(), 2 if CHECKING else 1
+
+
+def check_args(args, task=None, elastic=False, cuda=None):
+    """Refuse what cannot work, in the launching process before anything starts, and make sure
+    every file this node will write can be written. `task`: the one that --resume's checkpoint
+    must fit. `elastic`: started by torchrun (its environment says who is who); the script then
+    resumes whenever it finds --checkpoint. `cuda`: whether it trains on CUDA (default: where
+    there is a GPU)."""
+    gpus, dp = torch.cuda.device_count(), args.timeout is None
+    cuda = gpus > 0 if cuda is None else cuda
+    nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
+    local = getattr(args, "nproc_per_node", 1)
+    world_size, notes = nnodes * local, True
+    gpu = (getattr(args, "gpus", None) or [0])[0]  # the GPU this process, or its first, uses
+    if elastic:  # torchrun's environment; without one, one process
+        local, world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get(
+            "WORLD_SIZE", 1))
+        node_rank = int(os.environ.get("GROUP_RANK", 0))  # its node 0 holds global rank 0
+        gpu = int(os.environ.get("LOCAL_RANK", args.local_rank))
+        notes = gpu == 0
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
+    if elastic and tasks > 1 and "RANK" not in os.environ:  # srun python torchrun_ddp.py
+        raise Fatal(f"srun started {tasks} tasks of this script without torchrun, and each would "
+                    "train alone: run torchrun on each node (srun --ntasks-per-node=1 torchrun "
+                    "..., as slurm/torchrun_ddp.sbatch does), or spawn_ddp.py")
+    if gpus and local > gpus:  # two processes on one GPU: NCCL refuses, or they fight
+        raise Fatal(f"--nproc-per-node {local} but this machine has {gpus} GPU(s)")
+    if dp and (args.sync_bn or args.compile):
+        raise Fatal(f"--{'sync-bn' if args.sync_bn else 'compile'} needs the DDP scripts "
+                    "(spawn_ddp.py): SyncBatchNorm needs a process group, and PyTorch documents "
+                    "torch.compile with DDP, not with DataParallel")
+    if nnodes > 1 and not (args.master_addr and args.master_port):
+        raise Fatal("--nnodes > 1 needs --master-addr (node 0's address) and --master-port")
+    if node_rank >= nnodes and not elastic:
+        raise Fatal(f"--node-rank must be in 0..{nnodes - 1}")
+    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics", args.metrics)):
+        if path and os.path.isdir(path):
+            raise Fatal(f"{flag} {path} is a folder; give a file path")
+    if args.batch_size % (world_size * args.accumulate) and not args.evaluate:
+        raise Fatal(f"--batch-size {args.batch_size} is the global batch " + (
+            f"and must divide by the world size {world_size}" if args.batch_size % world_size
+            else f"of one optimizer step and must divide by world size x --accumulate = "
+            f"{world_size} x {args.accumulate}"))
+    if args.stop_after is not None and args.stop_after > args.epochs:
+        raise Fatal(f"--stop-after {args.stop_after} is past --epochs {args.epochs}")
+    if args.warmup_epochs >= args.epochs:
+        raise Fatal(f"--warmup-epochs {args.warmup_epochs:g} must be shorter than --epochs "
+                    f"{args.epochs}")
+    if args.sync_bn and not cuda:
+        raise Fatal("--sync-bn needs CUDA: nn.SyncBatchNorm does not train on CPU")
+    if not dp and not gpus and dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        # DDP's constructor reads the gloo group's thread count from DETAIL's wrapper as if it
+        # were the group: a read of the wrong object, which crashes or not (troubleshooting.md)
+        raise Fatal("TORCH_DISTRIBUTED_DEBUG=DETAIL makes torch's DDP read invalid memory on gloo "
+                    "(CPU), and crash or not; use INFO (docs/troubleshooting.md)")
+    if args.compile and not cuda and not shutil.which(os.environ.get("CXX", "g++")):
+        raise Fatal("--compile on a CPU needs a C++ compiler for inductor: none runs as $CXX or "
+                    "g++; install g++ or point CXX to one")  # else a traceback at the first step
+    if (args.resume or args.evaluate or args.save_every) and not args.checkpoint:
+        raise Fatal("--resume, --evaluate and --save-every need --checkpoint PATH")
+    writes = node_rank == 0 or args.save_on_each_node  # this node writes --checkpoint
+    if not (args.evaluate or args.resume or elastic) and writes and args.checkpoint \
+            and os.path.exists(args.checkpoint):  # (torchrun's resume it, if it is their run's)
+        raise Fatal(f"--checkpoint {args.checkpoint} exists: add --resume to continue its run, "
+                    "or give another path to start a new one")
+    if (args.evaluate or args.resume) and local == world_size and not os.path.exists(
+            args.checkpoint):  # on one machine it must be here (elsewhere: another node's)
+        raise Fatal(f"no checkpoint at {args.checkpoint}")
+    if (args.evaluate or args.resume) and not elastic and os.path.isfile(args.checkpoint):
+        checkpoint.check_file(args, task)  # once here, not in every process (torchrun's: each)
+    if notes:  # --amp auto: machine.settle_precision decides, once the job has met
+        machine.warn_if_slower(args.amp, gpu if cuda else None)
+    if getattr(args, "master_port", None) and node_rank == 0:  # node 0 hosts the store there
+        with socket.socket() as s:  # SO_REUSEADDR, as the store: a run that just ended (its
+            if os.name != "nt":  # connections in TIME_WAIT) leaves the port free; on Windows
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # it shares ports
+            try:
+                s.bind(("", args.master_port))
+            except OSError:
+                raise Fatal(f"port {args.master_port} is already in use on this machine; choose "
+                            "another --master-port") from None
+    outputs = [("--metrics", args.metrics)] if node_rank == 0 else []
+    if not args.evaluate and writes:
+        outputs.append(("--checkpoint", args.checkpoint))
+    for flag, path in [(f, p) for f, p in outputs if p]:  # created (and said) or refused now
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder)
+            if notes:
+                print(f"created folder {folder} for {flag}", flush=True)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise Fatal(f"{flag} {path}: cannot create the folder {folder} ({e.strerror})") \
+                from None
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+            if os.path.exists(path) and not os.access(path, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            raise Fatal(f"{flag} {path}: cannot write in {folder} ({e.strerror})") from None

@@ -1,0 +1,218 @@
+"""The processes' lives: how each ends (one line, an exit code, and leaving the process group
+at once), where they meet when the script itself must say (spawn_ddp.py's store; torchrun's,
+with a meeting of this round), and mp.spawn's worker and launcher. docs/clusters.md."""
+import contextlib
+import os
+import re
+import secrets
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import flags
+from checkpoint import Preempted
+from common import Fatal, say
+
+# ---- How a process ends: one line, never a traceback ------------------------------------
+
+# gloo's RuntimeErrors for a peer that died or stopped answering (most name a gloo source file)
+GLOO_LOST_PEER = ("/gloo/", "Application timeout caused pair closure", "Wait timeout")
+
+
+class Failed(Fatal):
+    """A process of the job failed (it has said why): one line, exit code 1."""
+    code = 1
+
+
+@contextlib.contextmanager
+def clean_exit(who=""):
+    """Every ending as one line on stderr: exit code 2 for bad input, 1 for a lost peer or an
+    error in the code (a bug in the task, CUDA out of memory), whose frames follow its line, 130
+    for Ctrl-C, 143 after a SIGTERM. A process that leaves on an error of its own leaves its
+    process group first (`leave_group`), so that the others fail at once instead of waiting
+    out --timeout. The exit comes outside the `except`, once the failed frames are released."""
+    try:
+        yield
+        return
+    except Fatal as e:  # bad input, a failed process, a SIGTERM (Preempted)
+        line, code = str(e) and f"{e.says}: {e}", e.code  # (empty: another process says it)
+    except KeyboardInterrupt:
+        line, code = "interrupted", 130
+    except Exception as e:
+        if isinstance(e, dist.DistError) or (  # a peer died or never came, a port is taken;
+                isinstance(e, RuntimeError) and any(m in str(e) for m in GLOO_LOST_PEER)):
+            line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            line = re.sub(r"^\[\S+\] ", "", line)  # without gloo's "[source.cc:123] "
+            say(f"{who}error: distributed: {line[:300]}")  # (gloo: a plain RuntimeError)
+            sys.stdout.flush()  # the group is broken: no teardown, where gloo's threads can abort
+            os._exit(1)
+        line, code = flags.failure(e)
+        line = f"error: {line}"
+    if line:
+        say(who + line)
+    leave_group()
+    sys.exit(code)
+
+
+def leave_group():
+    """Leaves the process group at once. gloo's is destroyed: its connections close, and the
+    others' collectives fail. NCCL's is aborted: from 2.6 on, destroy waits for the others'
+    work to finish, which a failed process never will, and the abort is given the world group
+    by name (2.6's abort of no group aborts the default one's backend and leaves the rest); in
+    2.4 and 2.5, which have no abort, destroy aborts (ProcessGroupNCCL::shutdown calls abort)."""
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    with contextlib.suppress(Exception):  # leaving anyway: the process ends with its own line
+        if abort and dist.get_backend() != "gloo":
+            abort(dist.group.WORLD)
+        else:
+            dist.destroy_process_group()
+
+
+# ---- Where the processes meet, where the script itself says ------------------------------
+
+def on_loopback():
+    """All processes on this machine: gloo's and NCCL's sockets on loopback, where no other
+    machine reaches them (they would listen where the host name resolves, on a laptop perhaps
+    nowhere: pytorch/pytorch#26049). Variables the user set win. docs/security.md."""
+    with contextlib.suppress(AttributeError, OSError):
+        names = [name for _, name in socket.if_nameindex()]
+        lo = next((n for n in names if n.startswith("lo")), None)
+        if lo:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+
+
+def spawn_store(args, store_file, rank, device):
+    """Where spawn_ddp.py's processes meet. One machine: a file in the launcher's private folder
+    (no port). Several, or --master-port: a TCP store that rank 0 hosts on node 0 (on every
+    interface: docs/security.md), in which the nodes first check that all run as many processes.
+    Then all meet (`meet`)."""
+    nproc = args.nproc_per_node
+    where = (args.node_rank, rank % nproc == 0, backend(device))
+    if args.master_port is None:
+        on_loopback()
+        return meet(dist.FileStore(store_file, args.nnodes * nproc), rank, args.nnodes * nproc,
+                    args, *where)
+    store = dist.TCPStore(args.master_addr or "127.0.0.1", args.master_port, is_master=rank == 0,
+                          timeout=timedelta(seconds=args.join_timeout))
+    store.set(f"nproc/{args.node_rank}", str(nproc))
+    counts = [int(store.get(f"nproc/{n}")) for n in range(args.nnodes)]
+    if len(set(counts)) > 1:  # their ranks would collide
+        read_by_all(store, "nproc/read", rank, sum(counts), args.join_timeout)
+        raise Fatal(f"every node must run the same --nproc-per-node; nodes 0..{args.nnodes - 1} "
+                    f"run {', '.join(map(str, counts))}")
+    return meet(store, rank, args.nnodes * nproc, args, *where)
+
+
+def torchrun_store(args, world_size, nproc, device):
+    """The store that init_process_group would make from torchrun's environment (MASTER_ADDR,
+    MASTER_PORT), after the meeting (`meet`), under the prefix of this round. Without
+    torchrun: one in memory."""
+    if nproc == world_size:
+        on_loopback()
+    if "RANK" not in os.environ:
+        return dist.HashStore()
+    store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))
+    node, local_rank = int(os.environ.get("GROUP_RANK", 0)), int(os.environ["LOCAL_RANK"])
+    return meet(store, rank, world_size, args, node, local_rank == 0, backend(device))
+
+
+def backend(device):
+    """The process group's backend on `device`, and the device's type, in words."""
+    return f"{'nccl' if device.type == 'cuda' else 'gloo'} on {device.type}"
+
+
+def meet(store, rank, world_size, args, node, first_on_node, kind):
+    """Every process checks in and waits for all, in a round that rank 0 opens under a new token:
+    torchrun's agent keeps its store from round to round (pytorch/pytorch#167288), so the last
+    round's keys are still there, and TORCHELASTIC_RESTART_COUNT, which counts per node, cannot
+    tell the rounds apart (a replaced node starts at 0). A token whose round is over is an
+    earlier round's, and so is one whose round never formed: the process looks again until rank
+    0's new one is there. --join-timeout bounds the wait for one that never comes, and names it.
+    Rank 0 then compares what each would train on (`kind`): a node whose processes would use
+    another backend (a GPU not seen: gloo on the CPU beside NCCL) is refused, said once per
+    node. Returns the store under the round's prefix, waiting --timeout: init_process_group
+    keeps the timeout of a store it is given (only its init_method path sets it), and NCCL
+    fetches its unique id through that store inside the call, where a node still preparing its
+    data would otherwise fail the start-up."""
+    store.set_timeout(timedelta(seconds=args.join_timeout))
+    deadline, token = time.monotonic() + args.join_timeout, None
+    try:
+        if rank == 0:
+            token = secrets.token_hex(8)
+            store.set("round", token)
+            store.set(f"{token}/0", f"{node} {kind}")
+            store.wait([f"{token}/{r}" for r in range(world_size)])
+            others = [store.get(f"{token}/{r}").decode().split(" ", 1) for r in range(world_size)]
+            odd = sorted({int(n) for n, k in others if k != kind})
+            verdict = f"the processes of node(s) {', '.join(map(str, odd))} would train with " \
+                f"{next(k for n, k in others if k != kind)}, rank 0 with {kind}: every node " \
+                "must see its GPUs (check its driver with nvidia-smi)" if odd else ""
+            store.set(f"{token}/all", verdict)
+        pause = 0.01  # (polled: a TCPStore client whose wait timed out answers out of turn)
+        while rank != 0:
+            seen = store.get("round").decode()
+            if store.check([f"{seen}/all"]):  # a round that is over: ours, or the last one's
+                if seen == token:
+                    break
+            elif seen != token:
+                token = seen
+                store.set(f"{token}/{rank}", f"{node} {kind}")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError("")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
+        if rank != 0:
+            verdict = store.get(f"{token}/all").decode()
+        if verdict:
+            read_by_all(store, f"{token}/read", rank, world_size, args.join_timeout)
+            raise Fatal(verdict if first_on_node else "")
+    except RuntimeError as e:  # a store that waited --join-timeout (a FileStore's: not a DistError)
+        if not isinstance(e, dist.DistError) and "imeout" not in str(e):
+            raise
+        missing = [str(r) for r in range(world_size)
+                   if not store.check([f"{token}/{r}"])] if token else ["0"]
+        raise dist.DistStoreError(f"rank(s) {', '.join(missing) or '?'} did not come within "
+                                  f"--join-timeout {args.join_timeout:g} s") from None
+    store = dist.PrefixStore(f"{token}/", store)
+    store.set_timeout(timedelta(seconds=args.timeout))
+    return store
+
+
+def read_by_all(store, key, rank, world_size, seconds):
+    """Before a refusal read from the store: each process counts itself at `key`, and rank 0,
+    which hosts the store on several nodes, leaves only once all have read (`seconds` at most)."""
+    store.add(key, 1)
+    deadline = time.monotonic() + seconds
+    while rank == 0 and store.add(key, 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def worker(local_rank, train, args, private):
+    """mp.spawn's target: train(local_rank, args, the store's file in the launcher's private
+    folder), an error as one line that names the rank."""
+    with clean_exit(f"[rank {args.node_rank * args.nproc_per_node + local_rank}] "):
+        # NCCL: a collective that fails or times out takes its process down, as under torchrun
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        train(local_rank, args, os.path.join(private, "store"))
+
+
+def join(workers):
+    """spawn_ddp.py's launcher: wait for its processes; a SIGTERM to it alone (`kill PID`) goes on
+    to them, and none outlives it."""
+    signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in workers.processes])
+    try:
+        while not workers.join():
+            pass
+    except torch.multiprocessing.ProcessExitedException as e:  # it has said why
+        raise Preempted() if e.exit_code == Preempted.code else Failed(
+            f"worker {e.error_index} exited with code {e.exit_code}") from None
+    finally:  # Ctrl-C, or a failure
+        [p.terminate() for p in workers.processes if p.is_alive()]

@@ -1,0 +1,80 @@
+"""What the run says: rank 0's lines on the console and in --metrics, and each epoch's loss,
+samples and seconds (EpochStats), gathered on the device without a sync per step."""
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import common
+
+
+class Reporter:
+    def __init__(self, args, rank, world_size, device):
+        self.on, self.args, self.world_size = rank == 0, args, world_size
+        nodes = getattr(args, "nnodes", 0) or world_size // int(os.environ.get(
+            "LOCAL_WORLD_SIZE", world_size))
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        self.log(f"{world_size} processes ({nodes} node(s) x {world_size // nodes})"
+                 f"{f', backend {dist.get_backend()}' if dist.is_initialized() else ''}, device "
+                 f"{device.type}, {torch.get_num_threads()} thread(s) each"
+                 f"{f', restart {restart} (TORCHELASTIC_RESTART_COUNT)' if restart else ''}")
+        if getattr(args, "gpus", None) and device.type == "cuda":  # dp_baseline.py
+            self.log(f"DataParallel over GPU(s) {args.gpus}, gathering on {device}")
+        self.log(f"task {args.task or 'common.py'}")
+        self.log(f"LR {args.lr:g} at batch {common.REFERENCE_BATCH} -> {common.peak_lr(args):.4g} "
+                 f"at {args.batch_size} ({common.LR_RULES[args.lr_scaling]})")
+
+    def log(self, msg):
+        if self.on:
+            print(msg, flush=True)
+
+    def progress(self, epoch, step, steps, loss, lr, stats):
+        rate = stats.seen * self.world_size / max(time.perf_counter() - stats.start, 1e-9)
+        self.log(f"epoch {epoch + 1}/{self.args.epochs} step {step}/{steps} loss {loss:.4f} "
+                 f"lr {lr:.3g} {rate:.0f} samples/s")
+
+    def record(self, **fields):
+        """One epoch (or an evaluation): a line on the console, a JSON line in --metrics."""
+        fields["world_size"] = self.world_size
+        self.log(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in fields.items()))
+        if self.on and self.args.metrics:
+            with open(self.args.metrics, "a") as f:
+                f.write(json.dumps(fields) + "\n")
+
+
+class EpochStats:
+    """One epoch of one process: its loss summed on the device (no sync per step), the samples
+    it trained, its seconds (after the GPU's queued work) and the time it waited for batches;
+    an epoch resumed after `skipped` of its `steps` says that it covers only the rest."""
+
+    def __init__(self, device, skipped=0, steps=0):
+        self.device, self.seen, self.data_wait = device, 0, 0.0
+        self.skipped, self.steps = skipped, steps
+        self.loss_sum, self.start = torch.zeros((), device=device), self.now()
+
+    def now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def timed(self, loader):
+        """The loader's batches, adding up how long the loop waits for each."""
+        batches, start = iter(loader), time.perf_counter()
+        for batch in batches:
+            self.data_wait += time.perf_counter() - start
+            yield batch
+            start = time.perf_counter()
+
+    def add(self, loss, n):
+        self.loss_sum += loss.detach() * n
+        self.seen += n
+
+    def speed(self, world_size):
+        """The epoch's seconds, samples per second over all processes, the share spent waiting."""
+        seconds = self.now() - self.start
+        partial = {"partial": f"steps {self.skipped + 1}-{self.steps} of {self.steps} (resumed)"}
+        return {"epoch_seconds": seconds, "samples_per_s": self.seen * world_size / seconds,
+                "data_wait": self.data_wait / seconds, **(partial if self.skipped else {})}
