@@ -224,8 +224,8 @@ def failure(e):
     frames of the task's files alone; up to the first loss (`CHECKING`) the line says "the task
     does not fit the scripts: PART raised ...", and the code is 2, bad input. Any other: its
     line, its frames but the first (main's), and code 1."""
-    frames = list(traceback.walk_tb(e.__traceback__))
-    codes = [frame.f_code for frame, _ in frames]
+    walked = list(traceback.walk_tb(e.__traceback__))
+    codes = [frame.f_code for frame, _ in walked]
     files = {code.co_filename for code in TASK_CODE} - {failure.__code__.co_filename}  # less ours
     helpers = {common.forward.__code__, common.to_device.__code__, common.evaluate.__code__}
     part = next((f"{TASK_CODE[c]}({', '.join(c.co_varnames[:c.co_argcount])})"
@@ -238,7 +238,7 @@ def failure(e):
     if part is None:
         return f"{common.reason(e)}\n" + "".join(traceback.format_list(
             traceback.extract_tb(e.__traceback__)[1:])).rstrip(), 1
-    kept = [(f, n) for f, n in frames if f.f_code.co_filename in files
+    kept = [(f, n) for f, n in walked if f.f_code.co_filename in files
             and f.f_code not in helpers]
     line = f"the task does not fit the scripts: {part} raised {common.reason(e)}" \
         f"{getattr(e, 'task_note', '')} (docs/your-own-task.md)" if CHECKING else common.reason(e)
