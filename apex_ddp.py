@@ -150,7 +150,7 @@ def train(local_rank, args, why):
     if args.evaluate:  # the model in --checkpoint, on the test set, and nothing else
         metrics = common.evaluate(model, test_loader, device, task)
         report.record(epoch=epoch, evaluate=True, **metrics)
-    stop = checkpoint.StopSignal(args.checkpoint, device, steps)  # SIGTERM: stop, and save
+    stop = checkpoint.StopSignal(args.checkpoint, device, steps, elastic=True)  # SIGTERM: save
     scale = loss_scale()
     for epoch in range(epoch, epoch if args.evaluate else args.epochs):
         sampler.set_epoch(epoch)  # a new order each epoch

@@ -82,8 +82,16 @@ def run_flags(args):
 
 def check_same_run(args, ckpt, path):
     """Refuses, in one line, to continue a checkpoint that another run wrote: every flag that
-    defines the run and that both know, with the value in the checkpoint and the value now."""
+    defines the run and that both know, with the value in the checkpoint and the value now.
+    --evaluate compares the task alone, which the checkpoint names but never chooses."""
     then, now = ckpt.get("args", {}), run_flags(args)
+    if args.evaluate and then.get("task", args.task) != args.task:
+        mine, theirs = (f"--task {t}" if t else "no --task (MNIST)"
+                        for t in (args.task, then["task"]))
+        raise Fatal(f"{path} was trained with {theirs}, this run has {mine}: evaluate it with "
+                    f"{theirs}")
+    if args.evaluate:
+        return
     differ = [differs(k, then[k], v) for k, v in sorted(now.items()) if k in then and then[k] != v]
     if differ:
         raise Fatal(f"{path} is the checkpoint of another run: {'; '.join(differ)}. Give its "
@@ -106,7 +114,7 @@ def agreed(args, wish, device, log=print):
     same one; a process that lacks it (a node that joins with an empty disk, or an older copy) is
     refused, with every copy left as it was: no process runs other collectives than the rest. A
     checkpoint of another run, or processes started with different flags, are refused before
-    anything is written; --evaluate compares nothing. A resumed --amp auto is the checkpoint's."""
+    anything is written (--evaluate: another task's). A resumed --amp auto is the checkpoint's."""
     path = args.checkpoint
     ckpt = load(path) if wish and path and os.path.exists(path) else None
     node = int(os.environ.get("GROUP_RANK", getattr(args, "node_rank", 0)))  # torchrun's, spawn's
@@ -138,16 +146,15 @@ def agreed(args, wish, device, log=print):
                     f" lack the copy of {path} that rank {source} resumes from ({newest[0]} "
                     f"epoch(s) + {newest[1]} step(s)): copy it to that node, or use a shared "
                     "filesystem" * says)
-    if not args.evaluate:
-        try:
-            check_same_run(args, ckpt, path)
-        except Fatal as e:
-            raise Fatal(str(e) * says) from None
-        if args.amp == "auto":  # the precision the run was trained in
-            args.amp = ckpt["args"].get("amp", "none")
-            log(f"precision: {machine.PRECISION[args.amp]}, the precision the checkpoint was "
-                "trained in (--amp auto)")
-            machine.warn_if_slower(args.amp, device.index if device.type == "cuda" else None)
+    try:
+        check_same_run(args, ckpt, path)
+    except Fatal as e:
+        raise Fatal(str(e) * says) from None
+    if args.amp == "auto" and not args.evaluate:  # the precision the run was trained in
+        args.amp = ckpt["args"].get("amp", "none")
+        log(f"precision: {machine.PRECISION[args.amp]}, the precision the checkpoint was "
+            "trained in (--amp auto)")
+        machine.warn_if_slower(args.amp, device.index if device.type == "cuda" else None)
     return ckpt
 
 
@@ -184,8 +191,7 @@ def check_file(args, task):
     with torch.device("meta"):
         model = task.make_model(args)
     ckpt = load(args.checkpoint)
-    if not args.evaluate:
-        check_same_run(args, ckpt, args.checkpoint)
+    check_same_run(args, ckpt, args.checkpoint)
     load_model_state(model, ckpt["model"], args.checkpoint, assign=True)
 
 
@@ -211,8 +217,8 @@ class StopSignal:
     whichever is longer, however long steps take (a grace time of 30 s, SLURM's KillWait and
     torchrun's, must hold that and the write), and fast steps pay one small all-reduce a second."""
 
-    def __init__(self, checkpoint, device, steps):
-        self.received, self.device, self.steps = False, device, steps
+    def __init__(self, checkpoint, device, steps, elastic=False):
+        self.received, self.device, self.steps, self.elastic = False, device, steps, elastic
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.agree = checkpoint and dist.is_initialized() and dist.get_world_size() > 1
         self.next, self.last = 0, None  # the step of the next check; (step, time) of the last
@@ -243,8 +249,10 @@ class StopSignal:
 
     def stopped(self, checkpoint, epoch, step):
         """The exception that ends the run after the snapshot at `step` of `epoch`."""
+        again = "the same command continues from it (this script resumes by itself)" \
+            if self.elastic else "rerun with --resume to continue"
         return Preempted(f"stopped on SIGTERM after step {step} of epoch {epoch + 1}; snapshot in "
-                         f"{checkpoint}: rerun with --resume to continue" * (self.rank == 0))
+                         f"{checkpoint}: {again}" * (self.rank == 0))
 
     def close(self):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,6 +1,6 @@
 """What the four scripts share: first the task, the part to replace for your own model and
 data (docs/your-own-task.md; MNIST is the default), then the few helpers the scripts share. The
-machinery is in a module per concern (docs/layout.md), which the lesson never needs to open."""
+machinery is in a module per concern (docs/maintainers.md), which the lesson never needs to open."""
 import collections
 import itertools
 import math

@@ -171,10 +171,8 @@ def load_task(name):
     if module is not common:
         try:
             module = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name is None or not (module == e.name or module.startswith(e.name + ".")):
-                raise  # a module the task imports is missing: its own line and frames
-            raise Fatal(f"--task {name}: no module named {e.name}") from None
+        except Exception as e:  # bad input: said where it is in the task, without our frames
+            raise Fatal(f"--task {name}: {import_error(e, module)}") from None
     task = types.SimpleNamespace(**{n: getattr(module, n, getattr(common, n)) for n in SEAM})
     if module is not common and hasattr(module, "make_datasets") \
             and not hasattr(module, "prepare_data"):
@@ -185,6 +183,21 @@ def load_task(name):
     task.loss_fn = first_call_checked(task.loss_fn)
     TASK_CODE[task.loss_fn.__code__] = "loss_fn"
     return task
+
+
+def import_error(e, module):
+    """Why the task `module` did not import: "no module named ..." where it is not there, else
+    the error, then where it is, as Python shows it: a syntax error's line and caret, or the
+    frames of the task's own files (not importlib's, not ours)."""
+    if isinstance(e, ModuleNotFoundError) and e.name and (
+            module == e.name or module.startswith(e.name + ".")):
+        return f"no module named {e.name}"
+    if isinstance(e, SyntaxError):  # its line, and the caret under it
+        *where, what = traceback.format_exception_only(e)
+        return f"{what.strip()}\n" + "".join(where).rstrip()
+    ours = (os.path.dirname(importlib.__file__), "<frozen", __file__)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(ours)]
+    return f"{common.reason(e)}\n" + "".join(traceback.format_list(frames)).rstrip()
 
 
 def first_call_checked(loss_fn):

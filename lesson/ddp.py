@@ -1,5 +1,6 @@
 """The lesson, second half: one_process.py made data-parallel with DistributedDataParallel,
 one process per GPU (or 2 on a CPU), started by torchrun (README.md).
+Both need torch and torchvision only: nothing else of this repository.
 
     torchrun --standalone --nproc-per-node 2 lesson/ddp.py --epochs 2 --checkpoint lesson.pt
 """
@@ -9,23 +10,42 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
+# Before init_process_group, on purpose: torchvision imports torch.distributed.nn, which, if
+# imported later, pins the group: gloo's threads then outlive it and can abort the exit.
+from torchvision.datasets import MNIST
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import common  # noqa: E402  (one folder up: the task, MNIST, and the helpers)
+
+class Net(nn.Module):
+    """Two convolutions with BatchNorm, whose running statistics are buffers, and a small head."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 5, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 5, bias=False), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(512, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def mnist(data_dir, train):
+    """MNIST's training or test set as two tensors in memory, normalised (downloaded if missing)."""
+    data = MNIST(data_dir, train=train, download=True)
+    return TensorDataset((data.data.float().unsqueeze(1) / 255 - 0.1307) / 0.3081, data.targets)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--data-dir", default="./data", help="MNIST's folder (torchvision's layout)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=256, help="the global batch")
     p.add_argument("--checkpoint", help="where to save the model after every epoch")
-    common.add_task_flags(p)  # --data-dir, --dummy
-    # The optimizer recipe that common.make_optimizer and make_scheduler read: the scripts'
-    # defaults for --lr, --lr-scaling and --warmup-epochs (docs/flags.md).
-    p.set_defaults(lr=0.01, lr_scaling="sqrt", warmup_epochs=0.2)
     args = p.parse_args()
     # torchrun tells each process who it is in its environment: LOCAL_RANK (0, 1, ... on this
     # machine), RANK and WORLD_SIZE (over all machines), and where to meet (MASTER_ADDR/PORT).
@@ -40,23 +60,23 @@ def main():
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if local_rank == 0:
-        common.prepare_data(args)  # MNIST downloads to --data-dir if it is not there
+        MNIST(args.data_dir, download=True)  # one download per machine: two would collide
     dist.barrier()  # the others wait until the first process of their machine has it
 
-    train_set, test_set = common.make_datasets(args)
-    batch_size = args.batch_size // world_size  # its part of the global batch (divisible)
-    sampler = DistributedSampler(train_set, world_size, rank, seed=0)  # a shard of its own
-    loader = DataLoader(train_set, batch_size, sampler=sampler, collate_fn=common.collate)
-    test_loader = DataLoader(test_set, batch_size, collate_fn=common.collate,
-                             sampler=range(rank, len(test_set), world_size))  # each sample once
+    train_set, test_set = mnist(args.data_dir, train=True), mnist(args.data_dir, train=False)
+    batch_size = args.batch_size // world_size  # its part of the global batch: 64 at 3 is 21
+    # A shard of its own, padded with repeats to equal length (3 processes train 2,001 of 2,000);
+    # the test set's shards take every sample once, unpadded, so that none counts twice.
+    sampler = DistributedSampler(train_set, world_size, rank, seed=0)
+    loader = DataLoader(train_set, batch_size, sampler=sampler)
+    test_loader = DataLoader(test_set, batch_size, sampler=range(rank, len(test_set), world_size))
 
     torch.manual_seed(0)  # the initial weights, the same in every process
-    model = common.make_model(args).to(device)
+    model = Net().to(device)
     # Train through the wrapper, whose backward averages the gradients over the processes;
     # evaluate and save `model`, the plain model inside it (the wrapper would sync buffers).
     ddp = DDP(model, device_ids=[local_rank] if cuda else None)
-    optimizer = common.make_optimizer(model, args)
-    scheduler = common.make_scheduler(optimizer, args, len(loader))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same in every process
@@ -64,19 +84,18 @@ def main():
         totals = torch.zeros(2, device=device)  # the loss summed over the samples, the samples
         for inputs, target in loader:
             inputs, target = inputs.to(device), target.to(device)
-            loss = common.loss_fn(ddp(inputs), target)  # through the wrapper
+            loss = F.cross_entropy(ddp(inputs), target)  # through the wrapper
             optimizer.zero_grad()
             loss.backward()  # DDP all-reduces the gradients here
             optimizer.step()
-            scheduler.step()
             totals[0] += loss.detach() * len(target)  # added up on the device: no wait per step
             totals[1] += len(target)
         dist.all_reduce(totals)  # SUMS each over the processes: all processes' loss and samples
         train_loss = (totals[0] / totals[1]).item()
 
+        model.eval()
         for buffer in model.buffers():  # BatchNorm's statistics, which each process updated
             dist.broadcast(buffer, src=0)  # with its own batches: rank 0's (the saved ones)
-        model.eval()
         counts = torch.zeros(2, device=device)  # correct predictions, test samples
         with torch.no_grad():
             for inputs, target in test_loader:

@@ -1,52 +1,66 @@
-"""The lesson, first half: a plain training loop in one process. Its DDP version is ddp.py
+"""The lesson, first half: a plain MNIST training loop in one process. Its DDP version is ddp.py
 beside it, and `diff lesson/one_process.py lesson/ddp.py` is all that DDP changes (README.md).
+Both need torch and torchvision only: nothing else of this repository.
 
     python lesson/one_process.py --epochs 2 --checkpoint lesson.pt
 """
 import argparse
 import os
-import sys
 
 import torch
-from torch.utils.data import DataLoader
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from torchvision.datasets import MNIST
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import common  # noqa: E402  (one folder up: the task, MNIST, and the helpers)
+
+class Net(nn.Module):
+    """Two convolutions with BatchNorm, whose running statistics are buffers, and a small head."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 5, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 5, bias=False), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(512, 128), nn.ReLU(), nn.Linear(128, 10))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def mnist(data_dir, train):
+    """MNIST's training or test set as two tensors in memory, normalised (downloaded if missing)."""
+    data = MNIST(data_dir, train=train, download=True)
+    return TensorDataset((data.data.float().unsqueeze(1) / 255 - 0.1307) / 0.3081, data.targets)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--data-dir", default="./data", help="MNIST's folder (torchvision's layout)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--checkpoint", help="where to save the model after every epoch")
-    common.add_task_flags(p)  # --data-dir, --dummy
-    # The optimizer recipe that common.make_optimizer and make_scheduler read: the scripts'
-    # defaults for --lr, --lr-scaling and --warmup-epochs (docs/flags.md).
-    p.set_defaults(lr=0.01, lr_scaling="sqrt", warmup_epochs=0.2)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    common.prepare_data(args)  # MNIST downloads to --data-dir if it is not there
 
-    train_set, test_set = common.make_datasets(args)
+    train_set, test_set = mnist(args.data_dir, train=True), mnist(args.data_dir, train=False)
     batch_size = args.batch_size
-    loader = DataLoader(train_set, batch_size, shuffle=True, collate_fn=common.collate)
-    test_loader = DataLoader(test_set, batch_size, collate_fn=common.collate)
+    loader = DataLoader(train_set, batch_size, shuffle=True)
+    test_loader = DataLoader(test_set, batch_size)
 
     torch.manual_seed(0)  # the initial weights
-    model = common.make_model(args).to(device)
-    optimizer = common.make_optimizer(model, args)
-    scheduler = common.make_scheduler(optimizer, args, len(loader))
+    model = Net().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     for epoch in range(args.epochs):
         model.train()
         totals = torch.zeros(2, device=device)  # the loss summed over the samples, the samples
         for inputs, target in loader:
             inputs, target = inputs.to(device), target.to(device)
-            loss = common.loss_fn(model(inputs), target)
+            loss = F.cross_entropy(model(inputs), target)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            scheduler.step()
             totals[0] += loss.detach() * len(target)  # added up on the device: no wait per step
             totals[1] += len(target)
         train_loss = (totals[0] / totals[1]).item()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device lease (docs/gpu-tests.md): the machine, the one-GPU part of the `cuda` tests in 4
-# pytest processes sharing the GPU, and one full-MNIST run. From the repository's root on the GPU
-# machine, whose python3 has torch, pytest, pytest-xdist and pytest-timeout:
+# One device lease (docs/maintainers.md#gpu-tests): the machine, the one-GPU part of the
+# `cuda` tests in 4 pytest processes sharing the GPU, and one full-MNIST run. From the
+# repository's root on the GPU machine, whose python3 has torch, pytest, pytest-xdist and
+# pytest-timeout:
 #   MNIST=DIR (holding MNIST/raw) APEX_SRC=apex-25.05.tar.gz OUT=DIR bash tests/gpu_lease.sh
 # Each log is written as it runs, so that a run stopped at its limit leaves what it did.
 set -uo pipefail

@@ -200,6 +200,36 @@ def test_bad_input_is_one_line_before_anything_starts(table, row):
     assert text in lines[0], where
 
 
+TASKS_THAT_DO_NOT_IMPORT = {  # a task file's text, the error, its line, what shows under it
+    "syntax": ("import torch\n\ndef make_model(args:\n    return None\n",
+               "SyntaxError: '(' was never closed", 3, "^"),
+    "import": ("import torch\nimport no_such_dependency\n",
+               "ModuleNotFoundError: No module named 'no_such_dependency'", 2,
+               "import no_such_dependency"),
+    "runtime": ("SIZES = [1, 2]\nSIZE = SIZES[5]\n", "IndexError: list index out of range", 2,
+                "~~~~~^^^"),
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_task_that_does_not_import_is_bad_input(tmp_path, script):
+    """A task file with a syntax error, or whose import fails, is bad input: the error, the
+    task's file and line, its source line and the caret under it; exit code 2, nothing started,
+    and none of the scripts' frames (nor importlib's)."""
+    files = {}
+    for case, (text, *_) in TASKS_THAT_DO_NOT_IMPORT.items():
+        files[case] = tmp_path / f"task_{case}.py"
+        files[case].write_text(text)
+    results = run_mains(script, [{"argv": ["--task", str(f)]} for f in files.values()])
+    for (case, (_, error, line, shown)), r in zip(TASKS_THAT_DO_NOT_IMPORT.items(), results):
+        lines = r["stderr"].rstrip().splitlines()
+        assert r["code"] == 2 and not r["started"], (case, r)
+        assert lines[0] == f"error: --task {files[case]}: {error}", (case, lines)
+        assert lines[1].startswith(f'  File "{files[case]}", line {line}'), (case, lines)
+        assert shown in lines[-1] and len(lines) <= 4, (case, lines)
+        assert r["stderr"].count('File "') == 1, (case, r["stderr"])
+
+
 def test_missing_output_folders_are_created_and_said(tiny_mnist, tmp_path):
     """The good side of the output checks: missing folders are made before training, once."""
     new = tmp_path / "new"

@@ -273,12 +273,13 @@ def test_the_port_of_a_store_that_just_ended_is_free_but_a_listening_one_is_not(
 
 def test_one_process_resumes_only_when_asked_and_found(tmp_path):
     args = argparse.Namespace(checkpoint=str(tmp_path / "c.pt"), evaluate=False, seed=0,
-                              amp="none")
+                              amp="none", task=None)
     cpu = torch.device("cpu")
     assert checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, cpu) is None
     with pytest.raises(common.Fatal, match="no checkpoint at"):
         checkpoint.agreed(args, checkpoint.RESUME, cpu)
-    torch.save({"model": {}, "epoch": 2, "step": 5, "args": {"seed": 0}}, args.checkpoint)
+    torch.save({"model": {}, "epoch": 2, "step": 5, "args": {"seed": 0, "task": None}},
+               args.checkpoint)
     assert checkpoint.agreed(args, checkpoint.NO_RESUME, cpu) is None
     assert checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, cpu)["step"] == 5
     args.seed = 1  # another run's checkpoint: refused, unless only evaluated
@@ -286,6 +287,10 @@ def test_one_process_resumes_only_when_asked_and_found(tmp_path):
         checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, cpu)
     args.evaluate = True
     assert checkpoint.agreed(args, checkpoint.RESUME, cpu)["step"] == 5
+    args.task = "tasks/text.py"  # but evaluated with another task's code: refused
+    with pytest.raises(common.Fatal, match=r"trained with no --task \(MNIST\), this run has "
+                       "--task tasks/text.py: evaluate it with no --task"):
+        checkpoint.agreed(args, checkpoint.RESUME, cpu)
 
 
 def test_sigterm_without_a_checkpoint_stops_at_once():

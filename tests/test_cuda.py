@@ -2,10 +2,12 @@
 overflow), bf16, channels_last, SyncBatchNorm, DataParallel over every GPU, checkpoints that move
 between GPU and CPU. Every test is marked `cuda` and skips, saying why, where torch sees no GPU;
 those that need two GPUs skip on one. Run them with `python -m pytest -m cuda`; see
-docs/gpu-tests.md. They launch the real scripts as subprocesses (conftest.run_script); this
-process reads their checkpoints with map_location="cpu" and allocates nothing on a GPU.
+docs/maintainers.md#gpu-tests. They launch the real scripts as subprocesses
+(conftest.run_script); this process reads their checkpoints with map_location="cpu" and
+allocates nothing on a GPU.
 
-Written on a machine without a GPU: until docs/gpu-tests.md says otherwise, they have never run.
+Written on a machine without a GPU; the one-GPU tests first ran on an H200 on 2026-11-26
+(../shared/gpu-runs/2026-11-26-h200/), the two-GPU tests not yet.
 
 What the GPU runs report comes from tests/instrument/sitecustomize.py: DDP_TEST_GPU_RECORD
 (contexts and memory per GPU and module output dtypes, per process, at exit) and

@@ -90,8 +90,8 @@ def test_stopped_by_sigterm_and_resumed_bit_identical(task, tmp_path):
 
 def test_a_task_by_module_name_and_its_flags_in_help(outside, tiny_mnist, tmp_path):
     """--task mypkg.text imports a module from the path; its flags show in --help; a resume
-    with another task (or none: MNIST's) is refused by the checkpoint's run, and no code the
-    checkpoint names is imported."""
+    with another task (or none: MNIST's) is refused by the checkpoint's run, --evaluate names
+    the checkpoint's task, and no code the checkpoint names is imported."""
     package = tmp_path / "lib" / "mypkg"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -106,6 +106,12 @@ def test_a_task_by_module_name_and_its_flags_in_help(outside, tiny_mnist, tmp_pa
     r = run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 64, "--epochs", 2,
                    "--checkpoint", tmp_path / "c.pt", "--resume", check=False)
     assert r.returncode == 2 and "--task mypkg.text in the checkpoint, (not given) now" in r.stderr
+    for script in ("spawn_ddp.py", "torchrun_ddp.py"):  # (spawn's launcher, torchrun's process)
+        r = run_script(script, "--dummy", "--checkpoint", tmp_path / "c.pt", "--evaluate",
+                       check=False)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+            f"error: {tmp_path / 'c.pt'} was trained with --task mypkg.text, this run has no "
+            "--task (MNIST): evaluate it with --task mypkg.text"), r.stderr
 
 
 BAD_SHAPE = """

@@ -79,14 +79,16 @@ def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tm
     assert len(lines) == 1, r.stderr  # rank 0 says it, once
     snap = load(ckpt)
     assert snap["epoch"] == 0 and snap["step"] >= 5, (snap["epoch"], snap["step"])  # mid-epoch
-    assert f"stopped on SIGTERM after step {snap['step']} of epoch 1; snapshot in {ckpt}" in lines[0]
+    again = "the same command continues from it" if torchrun else "rerun with --resume"
+    assert f"after step {snap['step']} of epoch 1; snapshot in {ckpt}: {again}" in lines[0]
     assert "error" not in r.stderr.replace("Traceback", "").lower() or torchrun, r.stderr
     assert 'File "' + str(ROOT) not in r.stderr, r.stderr  # no traceback from our code
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]  # no temp file left
     # and the job goes on from the snapshot, to exactly the end an uninterrupted run reaches
     launcher, extra = RUNS[script]
     r2 = run_script(script, "--data-dir", tiny_mnist, *ARGS, *extra, "--checkpoint", ckpt,
-                    "--resume", "--metrics", tmp_path / "m.jsonl", "--workers", workers,
+                    *["--resume"] * (not torchrun), "--metrics", tmp_path / "m.jsonl", "--workers",
+                    workers,
                     launcher=launcher, block="apex", **threads(script))
     assert f"0 epoch(s) + {snap['step']} step(s) trained" in r2.stdout
     assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1, 2]

@@ -153,7 +153,7 @@ def test_real_apex_end_to_end_on_a_gpu(real_apex, tiny_mnist, tmp_path, opt_leve
 
     Not checked, on purpose: bit-identity with an uninterrupted run. With O2 the checkpoint
     holds the fp16 model weights, not amp's fp32 master weights, so a resume starts from
-    rounded weights (see docs/gpu-tests.md)."""
+    rounded weights (see docs/apex.md)."""
     launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1")
     ckpt, metrics = tmp_path / "c.pt", tmp_path / "m.jsonl"
     args = ["--data-dir", tiny_mnist, "--batch-size", 64, "--log-interval", 5, "--timeout", 60,

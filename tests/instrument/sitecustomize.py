@@ -55,7 +55,7 @@ changes none of their results:
   DDP_TEST_STALL, DDP_TEST_SKIP_REDUCE and DDP_TEST_LATE print one line on stderr when they
   act ("test instrumentation: ...").
 With DDP_TEST_RECORD, every optimizer step also records the learning rate it used, and every
-training loss that common.loss_fn returns is recorded with its rank and its batch's size.
+training loss that F.cross_entropy returns is recorded with its rank and its batch's size.
 """
 import atexit
 import io
@@ -343,17 +343,16 @@ if RECORD:
         return _destroy(*args, **kwargs)
     dist.destroy_process_group = _recording_destroy
 
-    def _record_losses(common):
-        loss_fn = common.loss_fn
+    import torch.nn.functional
+    _ce = torch.nn.functional.cross_entropy
 
-        def recording_loss_fn(output, target):
-            loss = loss_fn(output, target)
-            if torch.is_grad_enabled():  # training, not evaluation
-                _append("loss", {"rank": dist.get_rank() if dist.is_initialized() else 0,
-                                 "loss": loss.item(), "n": len(target)})
-            return loss
-        common.loss_fn = recording_loss_fn
-    _patch_module("common", _record_losses)
+    def _recording_cross_entropy(output, target, *args, **kwargs):
+        loss = _ce(output, target, *args, **kwargs)
+        if torch.is_grad_enabled() and loss.numel() == 1:  # a training loss, not evaluation
+            _append("loss", {"rank": dist.get_rank() if dist.is_initialized() else 0,
+                             "loss": loss.item(), "n": len(target)})
+        return loss
+    torch.nn.functional.cross_entropy = _recording_cross_entropy
 
     _init_pg = dist.init_process_group
     _ranks = []
