@@ -64,9 +64,9 @@ def main():
     dist.barrier()  # the others wait until the first process of their machine has it
 
     train_set, test_set = mnist(args.data_dir, train=True), mnist(args.data_dir, train=False)
-    batch_size = args.batch_size // world_size  # its part of the global batch: 64 at 3 is 21
-    # A shard of its own, padded with repeats to equal length (3 processes train 2,001 of 2,000);
-    # the test set's shards take every sample once, unpadded, so that none counts twice.
+    batch_size = args.batch_size // world_size  # its part of the global batch: 256 at 3 is 85
+    # A shard of its own, padded with repeats to equal length (7 processes train 60,004 of
+    # 60,000); the test set's shards take every sample once, unpadded, so that none counts twice.
     sampler = DistributedSampler(train_set, world_size, rank, seed=0)
     loader = DataLoader(train_set, batch_size, sampler=sampler)
     test_loader = DataLoader(test_set, batch_size, sampler=range(rank, len(test_set), world_size))
@@ -74,7 +74,7 @@ def main():
     torch.manual_seed(0)  # the initial weights, the same in every process
     model = Net().to(device)
     # Train through the wrapper, whose backward averages the gradients over the processes;
-    # evaluate and save `model`, the plain model inside it (the wrapper would sync buffers).
+    # evaluate and save `model`, the plain model inside it (no collective, no "module." prefix).
     ddp = DDP(model, device_ids=[local_rank] if cuda else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
