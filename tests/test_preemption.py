@@ -86,9 +86,9 @@ def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]  # no temp file left
     # and the job goes on from the snapshot, to exactly the end an uninterrupted run reaches
     launcher, extra = RUNS[script]
+    resume = [] if torchrun else ["--resume"]  # torchrun's scripts resume by themselves
     r2 = run_script(script, "--data-dir", tiny_mnist, *ARGS, *extra, "--checkpoint", ckpt,
-                    *["--resume"] * (not torchrun), "--metrics", tmp_path / "m.jsonl", "--workers",
-                    workers,
+                    *resume, "--metrics", tmp_path / "m.jsonl", "--workers", workers,
                     launcher=launcher, block="apex", **threads(script))
     assert f"0 epoch(s) + {snap['step']} step(s) trained" in r2.stdout
     assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
