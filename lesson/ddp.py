@@ -60,7 +60,7 @@ def main():
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if local_rank == 0:
-        MNIST(args.data_dir, download=True)  # one download per machine: two would collide
+        MNIST(args.data_dir, download=True)  # once a machine (a disk machines share: beforehand)
     dist.barrier()  # the others wait until the first process of their machine has it
 
     train_set, test_set = mnist(args.data_dir, train=True), mnist(args.data_dir, train=False)
