@@ -84,15 +84,16 @@ def check_same_run(args, ckpt, path):
     """Refuses, in one line, to continue a checkpoint that another run wrote: every flag that
     defines the run and that both know, with the value in the checkpoint and the value now.
     --evaluate compares the task alone, which the checkpoint names but never chooses."""
-    then, now = ckpt.get("args", {}), run_flags(args)
-    if args.evaluate and then.get("task", args.task) != args.task:
-        mine, theirs = (f"--task {t}" if t else "no --task (MNIST)"
-                        for t in (args.task, then["task"]))
-        raise Fatal(f"{path} was trained with {theirs}, this run has {mine}: evaluate it with "
-                    f"{theirs}")
+    then = ckpt.get("args", {})
     if args.evaluate:
+        if then.get("task", args.task) != args.task:
+            mine, theirs = (f"--task {t}" if t else "no --task (MNIST)"
+                            for t in (args.task, then["task"]))
+            raise Fatal(f"{path} was trained with {theirs}, this run has {mine}: evaluate it "
+                        f"with {theirs}")
         return
-    differ = [differs(k, then[k], v) for k, v in sorted(now.items()) if k in then and then[k] != v]
+    differ = [differs(k, then[k], v) for k, v in sorted(run_flags(args).items())
+              if k in then and then[k] != v]
     if differ:
         raise Fatal(f"{path} is the checkpoint of another run: {'; '.join(differ)}. Give its "
                     "flags to continue it, or another --checkpoint to start a new run")
