@@ -169,7 +169,7 @@ def make_scheduler(optimizer, args, steps_per_epoch):
     def factor(step):
         if step < warmup:
             return (step + 1) / warmup
-        return max(0.0, (total - step) / (total - warmup))
+        return max(0.0, (total - step) / max(1, total - warmup))  # a run of one step: 0
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
@@ -211,8 +211,6 @@ class InMemoryMNIST(TensorDataset):
 # ---- 2. The helpers the scripts share ------------------------------------------------------------
 
 def to_device(inputs, device, channels_last=False):
-    """A batch's inputs (a tensor, or a tuple, list or dict of tensors) on the device; with
-    channels_last, each 4-D tensor (a batch of images) in that memory format too."""
     if isinstance(inputs, dict):
         return {k: to_device(v, device, channels_last) for k, v in inputs.items()}
     if isinstance(inputs, (tuple, list)):
@@ -222,7 +220,6 @@ def to_device(inputs, device, channels_last=False):
 
 
 def forward(model, inputs):
-    """model(**inputs) for a dict, model(*inputs) for a tuple or list, model(inputs) otherwise."""
     if isinstance(inputs, dict):
         return model(**inputs)
     return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)

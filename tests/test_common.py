@@ -360,6 +360,19 @@ def test_an_argparse_namespace_is_all_a_task_needs():
     assert scheduler.get_last_lr()[0] < common.peak_lr(args)  # warming up
 
 
+def test_a_run_of_one_step_steps_its_schedule():
+    """One epoch of one step (the whole training set in one global batch): the warmup is that
+    step, and the schedule's step after it ends at 0, where it divided 0 by 0."""
+    args = argparse.Namespace(lr=0.01, batch_size=256, lr_scaling="sqrt", epochs=1,
+                              warmup_epochs=0.2)
+    optimizer = common.make_optimizer(common.make_model(args), args)
+    scheduler = common.make_scheduler(optimizer, args, 1)
+    assert scheduler.get_last_lr() == [0.01]
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr() == [0.0]
+
+
 def test_an_exception_in_a_few_words():
     """common.reason, in every one-line error: the type, and a line of the message if any."""
     assert common.reason(AssertionError()) == "AssertionError"  # torchvision's bare asserts
