@@ -124,14 +124,17 @@ def spread(values, fmt="{:.1f}"):
     if not values:
         return "-"
     med = fmt.format(statistics.median(values))
-    return med if len(values) == 1 else f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+    if len(values) == 1:
+        return med
+    return f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 def this_machine():
     """The CPU with the features that decide which precision pays (see machine.computes_bf16)."""
     caps = getattr(torch.cpu, "get_capabilities", dict)()  # torch 2.4 has none
     cpu = caps.get("cpu_name") or platform.processor() or platform.machine()
-    names = {"x86_64": (("AVX-512", "avx512_f"), ("AVX512_BF16", "avx512_bf16"), ("AMX", "amx_bf16")),
+    names = {"x86_64": (("AVX-512", "avx512_f"), ("AVX512_BF16", "avx512_bf16"),
+                        ("AMX", "amx_bf16")),
              "arm64": (("BF16", "bf16"), ("SVE", "sve"))}.get(caps.get("architecture"), ())
     features = ", ".join(f"{name} {'yes' if caps.get(key) else 'no'}" for name, key in names)
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
@@ -151,7 +154,8 @@ def main():
     print(f"\nMachine: {this_machine()}")
     print(f"Work: task flags '{' '.join(args.task)}', {args.epochs} epoch(s), global "
           f"batch {' '.join(map(str, args.batch_size))}, --lr-scaling "
-          f"{' '.join(args.lr_scaling)}, --amp {' '.join(args.amp)}, --channels-last {args.channels_last}, "
+          f"{' '.join(args.lr_scaling)}, --amp {' '.join(args.amp)}, "
+          f"--channels-last {args.channels_last}, "
           f"{'fp32-nchw: --amp none --no-channels-last, ' if args.baseline == 'on' else ''}"
           f"--compile {args.compile}, --workers {' '.join(map(str, args.workers or ['default']))}, "
           f"--checkpoint {args.checkpoint}, {args.reps} seed(s) per row; median (min-max)"
@@ -162,7 +166,8 @@ def main():
         print_accuracy_per_epoch(results, variants, args.epochs, args.target)
     print_ratios(results, options, variants, args)
     if args.png:
-        save_chart(results, args.png, f"{this_machine()}\n--amp {' '.join(args.amp)}, {args.reps} seed(s)")
+        save_chart(results, args.png,
+                   f"{this_machine()}\n--amp {' '.join(args.amp)}, {args.reps} seed(s)")
 
 
 def target(text):
@@ -273,8 +278,8 @@ def name(s, v):
 
 def print_table(results, target):
     metric, op, value = target
-    print(f"| script | processes x threads | s to {metric} {op} {value:g} | {metric} mean (worst) | "
-          "epoch s | samples/s | data wait | DDP efficiency | wall s |")
+    print(f"| script | processes x threads | s to {metric} {op} {value:g} | "
+          f"{metric} mean (worst) | epoch s | samples/s | data wait | DDP efficiency | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (s, v, n), rs in results.items():
         ones = results.get((s, v, 1))
@@ -303,7 +308,8 @@ def print_accuracy_per_epoch(results, variants, epochs, target):
     for (s, v, n), rs in results.items():
         batch, rule = variants[v]["batch"], variants[v]["rule"]
         peak = common.peak_lr(argparse.Namespace(lr=lr, batch_size=batch, lr_scaling=rule))
-        cells = [f"{statistics.mean(a):.2f} ({worst(a):.2f})" for a in zip(*(r["accs"] for r in rs))]
+        cells = [f"{statistics.mean(a):.2f} ({worst(a):.2f})"
+                 for a in zip(*(r["accs"] for r in rs))]
         print(f"| {name(s, v)} | {n} | {batch} | {rule} | {peak:.4g} | {' | '.join(cells)} | "
               f"{spread([r['epoch_s'] for r in rs])} |")
 

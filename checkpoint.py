@@ -249,7 +249,6 @@ class StopSignal:
         return received > 0
 
     def stopped(self, checkpoint, epoch, step):
-        """The exception that ends the run after the snapshot at `step` of `epoch`."""
         again = "the same command continues from it (this script resumes by itself)" \
             if self.elastic else "rerun with --resume to continue"
         return Preempted(f"stopped on SIGTERM after step {step} of epoch {epoch + 1}; snapshot in "

@@ -109,7 +109,8 @@ def parse_args(description, launcher, argv=None):
     a("--log-interval", type=positive_int, default=50, metavar="STEPS",
       help="progress line every this many steps" + d)
     if launcher == "dp":
-        a("--gpus", type=gpu_ids, help="GPU ids, e.g. 0,1 (default: all)")
+        a("--gpus", type=gpu_ids, default=list(range(torch.cuda.device_count())),
+          help="GPU ids, e.g. 0,1 (default: all)")
         p.set_defaults(save_on_each_node=False, timeout=None, join_timeout=None)
     else:
         a("--save-on-each-node", action="store_true", help="one checkpoint writer per node "
@@ -120,8 +121,8 @@ def parse_args(description, launcher, argv=None):
           "the processes wait for each other at start-up" + d)
     if launcher == "spawn":
         g = p.add_argument_group("launch (spawn)").add_argument
-        g("--nproc-per-node", type=positive_int, help="processes on this machine (default: one "
-          "per GPU, or 2 without a GPU)")
+        g("--nproc-per-node", type=positive_int, default=torch.cuda.device_count() or 2,
+          help="processes on this machine (default: one per GPU, or 2 without a GPU)")
         g("--nnodes", type=positive_int, default=1, help="machines" + d)
         g("--node-rank", type=natural_int, default=0, help="this machine's index")
         g("--master-addr", help="node 0's address, reachable from every node")
@@ -138,10 +139,6 @@ def parse_args(description, launcher, argv=None):
     task.add_task_flags(p)  # last: a task may also change the defaults above (set_defaults)
     args = p.parse_args(argv)
     args.task = args.task and os.path.normpath(args.task)  # as compared by a resume
-    if launcher == "dp" and args.gpus is None:
-        args.gpus = list(range(torch.cuda.device_count()))
-    if launcher == "spawn" and args.nproc_per_node is None:  # one process per GPU
-        args.nproc_per_node = torch.cuda.device_count() or 2
     return args
 
 

@@ -125,7 +125,6 @@ def torchrun_store(args, world_size, nproc, device):
 
 
 def backend(device):
-    """The process group's backend on `device`, and the device's type, in words."""
     return f"{'nccl' if device.type == 'cuda' else 'gloo'} on {device.type}"
 
 
@@ -196,8 +195,7 @@ def read_by_all(store, key, rank, world_size, seconds):
 
 
 def worker(local_rank, train, args, private):
-    """mp.spawn's target: train(local_rank, args, the store's file in the launcher's private
-    folder), an error as one line that names the rank."""
+    """mp.spawn's target: train(), its error one line that names the rank."""
     with clean_exit(f"[rank {args.node_rank * args.nproc_per_node + local_rank}] "):
         # NCCL: a collective that fails or times out takes its process down, as under torchrun
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")

@@ -61,7 +61,6 @@ class EpochStats:
         return time.perf_counter()
 
     def timed(self, loader):
-        """The loader's batches, adding up how long the loop waits for each."""
         batches, start = iter(loader), time.perf_counter()
         for batch in batches:
             self.data_wait += time.perf_counter() - start
@@ -73,7 +72,6 @@ class EpochStats:
         self.seen += n
 
     def speed(self, world_size):
-        """The epoch's seconds, samples per second over all processes, the share spent waiting."""
         seconds = self.now() - self.start
         partial = {"partial": f"steps {self.skipped + 1}-{self.steps} of {self.steps} (resumed)"}
         return {"epoch_seconds": seconds, "samples_per_s": self.seen * world_size / seconds,
