@@ -213,8 +213,9 @@ class InMemoryMNIST(TensorDataset):
 def to_device(inputs, device, channels_last=False):
     if isinstance(inputs, dict):
         return {k: to_device(v, device, channels_last) for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(to_device(v, device, channels_last) for v in inputs)
+    if isinstance(inputs, (tuple, list)):  # a named tuple is built from its fields
+        moved = [to_device(v, device, channels_last) for v in inputs]
+        return type(inputs)(*moved) if hasattr(inputs, "_fields") else type(inputs)(moved)
     layout = torch.channels_last if channels_last and inputs.dim() == 4 else torch.preserve_format
     return inputs.to(device, non_blocking=True, memory_format=layout)
 

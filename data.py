@@ -88,7 +88,10 @@ def micro_batches(inputs, target, n):
     def take(x, k):
         if isinstance(x, dict):
             return {name: take(v, k) for name, v in x.items()}
-        return type(x)(take(v, k) for v in x) if isinstance(x, (tuple, list)) else x[k::n]
+        if not isinstance(x, (tuple, list)):
+            return x[k::n]
+        parts = [take(v, k) for v in x]  # a named tuple is built from its fields
+        return type(x)(*parts) if hasattr(x, "_fields") else type(x)(parts)
     n = min(n, len(target))  # a last batch shorter than n gives no empty micro-batch
     for k in range(n):
         yield take(inputs, k), target[k::n], len(target[k::n]) / len(target), k == n - 1

@@ -7,6 +7,7 @@ just ended, the resume decision of a single process, and SIGTERM without a check
 multi-process behaviour is tested by launching the scripts (test_data_loading.py and the
 per-script files)."""
 import argparse
+import collections
 import multiprocessing
 import os
 import random
@@ -60,15 +61,20 @@ def test_collate_passes_a_whole_batch_through_and_collates_samples():
     assert x.shape == (2, 3) and y.tolist() == [1, 2]
 
 
+Pair = collections.namedtuple("Pair", "images mask")
+
+
 def test_inputs_of_any_structure_reach_the_device_and_the_model():
-    """A tensor, a tuple or a dict of tensors: moved whole, passed as model(x), model(*x) and
-    model(**x); channels_last converts 4-D tensors (images) and nothing else."""
+    """A tensor, a (named) tuple or a dict of tensors: moved whole, passed as model(x),
+    model(*x) and model(**x); channels_last converts 4-D tensors (images) and nothing else."""
     images, mask = torch.zeros(2, 3, 4, 4), torch.ones(2, 5, dtype=torch.bool)
     moved = common.to_device({"images": images, "mask": mask}, torch.device("cpu"), True)
     assert moved["images"].is_contiguous(memory_format=torch.channels_last)
     assert moved["mask"].is_contiguous() and moved["mask"].dtype == torch.bool
     pair = common.to_device((images, mask), torch.device("cpu"))
     assert isinstance(pair, tuple) and pair[0].is_contiguous()
+    named = common.to_device(Pair(images, mask), torch.device("cpu"), True)  # default_collate's
+    assert isinstance(named, Pair) and named.images.is_contiguous(memory_format=torch.channels_last)
     seen = []
     model = lambda *a, **k: seen.append((len(a), sorted(k)))  # noqa: E731
     common.forward(model, images), common.forward(model, (images, mask))
@@ -348,6 +354,8 @@ def test_micro_batches_deal_samples_as_more_ranks_would():
     assert [xk["mask"].tolist() for xk, _, _, _ in parts] == [[0] * 4, [1] * 4]
     [(xk, yk, share, last)] = data.micro_batches((torch.ones(3, 2),), torch.arange(3), 1)
     assert isinstance(xk, tuple) and len(yk) == 3 and share == 1 and last
+    [(xk, _, _, _), _] = data.micro_batches(Pair(torch.arange(4), torch.ones(4)), y[:4], 2)
+    assert isinstance(xk, Pair) and xk.images.tolist() == [0, 2]
 
 
 def test_an_argparse_namespace_is_all_a_task_needs():
