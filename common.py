@@ -210,14 +210,22 @@ class InMemoryMNIST(TensorDataset):
 
 # ---- 2. The helpers the scripts share ------------------------------------------------------------
 
-def to_device(inputs, device, channels_last=False):
+def map_tensors(fn, inputs):
+    """fn of every tensor of a batch's inputs (a tensor, or a dict, tuple, named tuple or list
+    of them), in the inputs' structure: to_device's and --accumulate's (data.micro_batches)."""
     if isinstance(inputs, dict):
-        return {k: to_device(v, device, channels_last) for k, v in inputs.items()}
+        return {k: map_tensors(fn, v) for k, v in inputs.items()}
     if isinstance(inputs, (tuple, list)):  # a named tuple is built from its fields
-        moved = [to_device(v, device, channels_last) for v in inputs]
-        return type(inputs)(*moved) if hasattr(inputs, "_fields") else type(inputs)(moved)
-    layout = torch.channels_last if channels_last and inputs.dim() == 4 else torch.preserve_format
-    return inputs.to(device, non_blocking=True, memory_format=layout)
+        items = [map_tensors(fn, v) for v in inputs]
+        return type(inputs)(*items) if hasattr(inputs, "_fields") else type(inputs)(items)
+    return fn(inputs)
+
+
+def to_device(inputs, device, channels_last=False):
+    def move(t):  # with channels_last, a 4-D tensor (a batch of images) in that format too
+        layout = torch.channels_last if channels_last and t.dim() == 4 else torch.preserve_format
+        return t.to(device, non_blocking=True, memory_format=layout)
+    return map_tensors(move, inputs)
 
 
 def forward(model, inputs):

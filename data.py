@@ -13,6 +13,8 @@ import threading
 import torch
 from torch.utils.data import Dataset, Sampler
 
+import common
+
 
 class Skippable(Sampler):
     """A sampler whose next pass leaves out its first `skip` indices: a resume in the middle of
@@ -85,16 +87,10 @@ def micro_batches(inputs, target, n):
     """--accumulate n: (inputs, target, share, last) for each micro-batch k, which takes every
     n-th sample from the k-th, of every tensor of the batch: what rank r + W*k of W*n processes
     would get. Each loss is weighted by its share, so that the gradients add up to the batch's."""
-    def take(x, k):
-        if isinstance(x, dict):
-            return {name: take(v, k) for name, v in x.items()}
-        if not isinstance(x, (tuple, list)):
-            return x[k::n]
-        parts = [take(v, k) for v in x]  # a named tuple is built from its fields
-        return type(x)(*parts) if hasattr(x, "_fields") else type(x)(parts)
     n = min(n, len(target))  # a last batch shorter than n gives no empty micro-batch
     for k in range(n):
-        yield take(inputs, k), target[k::n], len(target[k::n]) / len(target), k == n - 1
+        x = common.map_tensors(lambda t: t[k::n], inputs)  # every tensor of the inputs
+        yield x, target[k::n], len(target[k::n]) / len(target), k == n - 1
 
 
 # ---- Data workers ---------------------------------------------------------------------------
