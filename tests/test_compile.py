@@ -6,10 +6,12 @@ without --compile and the other way round; without a C++ compiler a CPU run is r
 it starts. Every test compiles, slowly on 2 cores: all are marked slow.
 
 TOL: inductor fuses and reorders float operations, so a compiled step differs from the eager
-one by rounding, and 19 Adam steps per epoch carry that along. Measured here (2-core AMD EPYC,
-one thread per process, torch 2.14.0): 1.5e-4 of a tensor's largest value after epoch 1, and
-1.5e-4 after epoch 2 between the two resumed runs; TOL is ~13 times that. The control, an eager
-run with --seed 1 against --seed 0, differs by 2.3.
+one by rounding, and 19 Adam steps per epoch carry that along (Adam divides by the root of
+tiny second moments, which scales rounding up). Measured here, one thread per process: on a
+2-core AMD EPYC with AVX-512 (torch 2.14.0), 1.5e-4 of a tensor's largest value after epoch 1
+and 1.5e-4 after epoch 2 between the two resumed runs; on one with AVX2 only (torch 2.15.0,
+2026-11-28), 1.2e-4 and 8.7e-3: inductor's kernels differ with the vector width. TOL is twice
+the larger. The control, an eager run with --seed 1 against --seed 0, differs by 2.3.
 """
 import shutil
 
@@ -20,7 +22,7 @@ from conftest import load, max_rel_diff, run_script
 
 ARGS = ("--nproc-per-node", 2, "--batch-size", 32, "--epochs", 2, "--log-interval", 100,
         "--timeout", 60)
-TOL = 2e-3  # of a tensor's largest value (see above)
+TOL = 2e-2  # of a tensor's largest value (see above)
 
 
 def train(data, ckpt, *extra, **env):
