@@ -9,7 +9,6 @@ and apex.parallel) and CUDA is present, it trains the apex way. Otherwise, or wi
 runs torchrun_ddp.py's training, the same steps with torch.autocast, torch.amp.GradScaler,
 nn.SyncBatchNorm and DistributedDataParallel. It says at start which one it took, and why.
 """
-import os
 from datetime import timedelta
 
 import torch
@@ -18,13 +17,9 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-import checkpoint
 import common
-import data
-import flags
-import launch
-import machine
-import reporting
+from ddpkit import checkpoint, data, flags, launch, machine, reporting, sigterm
+from ddpkit.task import load_task
 import torchrun_ddp
 
 try:  # NOT `pip install apex`: that is an unrelated web package (docs/apex.md)
@@ -39,7 +34,7 @@ except Exception as e:  # missing, the wrong package, or a release without amp/p
     apex, apex_problem = None, f"{type(e).__name__}: {e}"
 
 
-def main():
+def main(place):
     args = flags.parse_args(__doc__, "apex")
     if args.amp != "auto":
         raise common.Fatal("apex_ddp.py sets the precision with --opt-level, not --amp")
@@ -68,26 +63,24 @@ def main():
         why += f"; opt level {args.opt_level} -> " + {
             "none": "fp32", "auto": "autocast bfloat16 where every CPU of the job computes it, "
             "else fp32", "fp16": "autocast float16 + GradScaler"}[args.amp]
-    flags.check_args(args, elastic=True, cuda=gpus > 0 or (use_apex and standin))
-    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
+    flags.check_args(args, load_task(args.task), place, elastic=True,
+                     cuda=gpus > 0 or (use_apex and standin))
     if not use_apex:
-        if int(os.environ.get("RANK", 0)) == 0:
+        if place.rank == 0:
             print(f"path: {why}", flush=True)
-        return torchrun_ddp.train(local_rank, args)
-    train(local_rank, args, why)
+        return torchrun_ddp.train(place, args)
+    train(place, args, why)
 
 
-def train(local_rank, args, why):
-    task = flags.load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
-    # torchrun tells each process who it is in its environment; without torchrun, one process.
-    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = machine.process_device(local_rank, nproc)  # its own GPU, or its share of the cores
+def train(place, args, why):
+    task = load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
+    rank, world_size = place.rank, place.world_size  # as torchrun says (launch.torchrun_place)
+    device = machine.process_device(place.local_rank, place.nproc)  # its GPU, or CPU cores
     cuda = device.type == "cuda"
     # torchrun's environment is all init_process_group needs; torchrun_store adds a meeting
-    store = launch.torchrun_store(args, world_size, nproc, device)
-    node = f"prepared/{os.environ.get('GROUP_RANK', 0)}"
-    if local_rank == 0:  # the first process of each machine downloads, before any reads the data
+    store = launch.torchrun_store(args, place, device)
+    node = f"prepared/{place.node}"
+    if place.local_rank == 0:  # the first process of each machine downloads; the others wait
         task.prepare_data(args)
         store.set(node, "")
     store.wait([node], timedelta(seconds=args.timeout))
@@ -109,7 +102,7 @@ def train(local_rank, args, why):
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=args.timeout),
                             device_id=device if cuda else None)  # bound to its own GPU
-    report = reporting.Reporter(args, rank, world_size, device)
+    report = reporting.Reporter(args, place, device)
     report.log(f"path: {why}")
 
     # Model, optimizer and schedule from --seed; with --resume, continued from --checkpoint.
@@ -131,7 +124,7 @@ def train(local_rank, args, why):
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # amp keeps the loss scale
     # Elastic: a group that torchrun (re)starts continues from the snapshot, if any has one.
     wish = checkpoint.RESUME if args.resume or args.evaluate else checkpoint.RESUME_IF_FOUND
-    ckpt = checkpoint.agreed(args, wish, device, report.log)  # refuses another run's
+    ckpt = checkpoint.agreed(args, wish, place, device, report.log)  # and the precision
     if ckpt and "amp" in ckpt:  # after amp.initialize, as apex documents
         amp.load_state_dict(ckpt["amp"])
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
@@ -141,7 +134,7 @@ def train(local_rank, args, why):
     ddp = ApexDDP(model, delay_allreduce=True)
 
     def save(epoch, step):  # the plain model's state: no "module." prefix
-        if args.checkpoint and (local_rank if args.save_on_each_node else rank) == 0:  # 1 writer
+        if args.checkpoint and (place.local_rank if args.save_on_each_node else rank) == 0:
             state = checkpoint.state(model, optimizer, scheduler, scaler, epoch, step, args)
             state["amp"] = amp.state_dict()  # the loss scale (native: the scaler's state)
             checkpoint.save(state, args.checkpoint)
@@ -150,7 +143,7 @@ def train(local_rank, args, why):
     if args.evaluate:  # the model in --checkpoint, on the test set, and nothing else
         metrics = common.evaluate(model, test_loader, device, task)
         report.record(epoch=epoch, evaluate=True, **metrics)
-    stop = checkpoint.StopSignal(args.checkpoint, device, steps, elastic=True)  # SIGTERM: save
+    stop = sigterm.StopSignal(args.checkpoint, device, steps, elastic=True)  # SIGTERM: save
     scale = loss_scale()
     for epoch in range(epoch, epoch if args.evaluate else args.epochs):
         sampler.set_epoch(epoch)  # a new order each epoch
@@ -205,5 +198,6 @@ def loss_scale():
 
 
 if __name__ == "__main__":
-    with launch.clean_exit(f"[rank {os.environ.get('RANK')}] " * ("RANK" in os.environ)):
-        main()
+    place = launch.torchrun_place()  # who this process is, from its launcher's environment
+    with launch.clean_exit(place):
+        main(place)

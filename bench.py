@@ -36,9 +36,7 @@ from pathlib import Path
 import torch
 
 import common
-import flags
-import launch
-import machine
+from ddpkit import flags, launch, machine
 
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = ("dp_baseline", "spawn_ddp", "torchrun_ddp", "apex_ddp")

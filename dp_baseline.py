@@ -6,26 +6,22 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, RandomSampler
 
-import checkpoint
 import common
-import data
-import flags
-import launch
-import machine
-import reporting
+from ddpkit import checkpoint, data, flags, launch, machine, reporting, sigterm
+from ddpkit.task import load_task
 
 
 def main():
     args = flags.parse_args(__doc__, "dp")
-    task = flags.load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
+    task = load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
     flags.check_args(args, task)
     task.prepare_data(args)  # download once per machine, before any process reads the data
-    train(args)
+    train(launch.Place(), args)
 
 
-def train(args):
-    task = flags.load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
-    rank, world_size = 0, 1  # one process (spawn_ddp.py: several)
+def train(place, args):
+    task = load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
+    rank, world_size = place.rank, place.world_size  # one process (spawn_ddp.py: several)
     device = machine.process_device(args.gpus[0] if args.gpus else 0, 1)  # first GPU, or CPU
     cuda = device.type == "cuda"
 
@@ -42,7 +38,7 @@ def train(args):
                              num_workers=args.workers, collate_fn=task.collate, pin_memory=cuda,
                              **data.worker_options(args.workers))
     data.start_workers(loader, test_loader)
-    report = reporting.Reporter(args, rank, world_size, device)
+    report = reporting.Reporter(args, place, device)
 
     # Model, optimizer and schedule from --seed; with --resume, continued from --checkpoint.
     torch.manual_seed(args.seed)
@@ -53,8 +49,7 @@ def train(args):
     steps = len(loader)  # per epoch
     scheduler = task.make_scheduler(optimizer, args, steps)
     wish = checkpoint.RESUME if args.resume or args.evaluate else checkpoint.NO_RESUME
-    ckpt = checkpoint.agreed(args, wish, device, report.log)  # refuses another run's
-    machine.settle_precision(args, device, report.log)  # --amp auto: one for the whole job
+    ckpt = checkpoint.agreed(args, wish, place, device, report.log)  # and --amp auto's dtype
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
                                      args.checkpoint, report.log)
@@ -69,7 +64,7 @@ def train(args):
     if args.evaluate:  # the model in --checkpoint, on the test set, and nothing else
         metrics = common.evaluate(model, test_loader, device, task)
         report.record(epoch=epoch, evaluate=True, **metrics)
-    stop = checkpoint.StopSignal(args.checkpoint, device, steps)  # SIGTERM: stop, and save
+    stop = sigterm.StopSignal(args.checkpoint, device, steps)  # SIGTERM: stop, and save
     scale = scaler.get_scale()
     for epoch in range(epoch, epoch if args.evaluate else args.epochs):
         sampler.generator.manual_seed(args.seed + epoch)  # a new order each epoch

@@ -14,30 +14,25 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-import checkpoint
 import common
-import data
-import flags
-import launch
-import machine
-import reporting
+from ddpkit import checkpoint, data, flags, launch, machine, reporting, sigterm
+from ddpkit.task import load_task
 
 
 def main():
     args = flags.parse_args(__doc__, "spawn")
-    task = flags.load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
+    task = load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
     flags.check_args(args, task)
     task.prepare_data(args)  # download once per machine, before any process reads the data
     with tempfile.TemporaryDirectory() as private:  # on one machine they meet in a file here
         workers = mp.spawn(launch.worker, (train, args, private), args.nproc_per_node, join=False)
-        launch.join(workers)  # each a new interpreter, running train(local_rank, args, ...)
+        launch.join(workers, args)  # each a new interpreter, running train(place, args, ...)
 
 
-def train(local_rank, args, store_file):
-    task = flags.load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
-    nproc = args.nproc_per_node  # processes on this machine, local_rank the index among them
-    rank, world_size = args.node_rank * nproc + local_rank, args.nnodes * nproc  # of all nodes
-    device = machine.process_device(local_rank, nproc)  # its own GPU, or its share of the cores
+def train(place, args, store_file):
+    task = load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
+    rank, world_size = place.rank, place.world_size  # of all nodes (launch.spawn_place)
+    device = machine.process_device(place.local_rank, place.nproc)  # its GPU, or CPU cores
     cuda = device.type == "cuda"
 
     # Data: this process's part of each global batch, from its sampler; augmentation per sample.
@@ -54,11 +49,11 @@ def train(local_rank, args, store_file):
                              **data.worker_options(args.workers))
     data.start_workers(loader, test_loader)
     # Join the process group: every collective (all-reduce, barrier) runs among its processes.
-    store = launch.spawn_store(args, store_file, rank, device)  # a FileStore (nodes: TCP)
+    store = launch.spawn_store(args, place, store_file, device)  # a FileStore (nodes: TCP)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=args.timeout),
                             device_id=device if cuda else None)  # bound to its own GPU
-    report = reporting.Reporter(args, rank, world_size, device)
+    report = reporting.Reporter(args, place, device)
 
     # Model, optimizer and schedule from --seed; with --resume, continued from --checkpoint.
     torch.manual_seed(args.seed)
@@ -71,17 +66,16 @@ def train(local_rank, args, store_file):
     steps = len(loader)  # per epoch
     scheduler = task.make_scheduler(optimizer, args, steps)
     wish = checkpoint.RESUME if args.resume or args.evaluate else checkpoint.NO_RESUME
-    ckpt = checkpoint.agreed(args, wish, device, report.log)  # refuses another run's
-    machine.settle_precision(args, device, report.log)  # --amp auto: one for the whole job
+    ckpt = checkpoint.agreed(args, wish, place, device, report.log)  # and --amp auto's dtype
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
                                      args.checkpoint, report.log)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    ddp = DDP(model, device_ids=[local_rank] if cuda else None)  # gradients averaged in backward
+    ddp = DDP(model, device_ids=[place.local_rank] if cuda else None)  # backward averages gradients
     net = torch.compile(ddp) if args.compile else ddp  # compiled after the wrap, as documented
 
     def save(epoch, step):  # the plain model's state: no "module." prefix
-        if args.checkpoint and (local_rank if args.save_on_each_node else rank) == 0:  # 1 writer
+        if args.checkpoint and (place.local_rank if args.save_on_each_node else rank) == 0:
             checkpoint.save(checkpoint.state(
                 model, optimizer, scheduler, scaler, epoch, step, args), args.checkpoint)
         dist.barrier()  # nobody runs ahead, or exits, before the checkpoint is complete
@@ -89,7 +83,7 @@ def train(local_rank, args, store_file):
     if args.evaluate:  # the model in --checkpoint, on the test set, and nothing else
         metrics = common.evaluate(model, test_loader, device, task)
         report.record(epoch=epoch, evaluate=True, **metrics)
-    stop = checkpoint.StopSignal(args.checkpoint, device, steps)  # SIGTERM: stop, and save
+    stop = sigterm.StopSignal(args.checkpoint, device, steps)  # SIGTERM: stop, and save
     scale = scaler.get_scale()
     for epoch in range(epoch, epoch if args.evaluate else args.epochs):
         sampler.set_epoch(epoch)  # a new order each epoch

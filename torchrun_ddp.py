@@ -11,7 +11,6 @@ No launcher:   python torchrun_ddp.py   (one process)
 With --checkpoint, the script continues from that file whenever a process finds it: a group
 that torchrun restarts after a failure picks up at the last snapshot instead of starting over.
 """
-import os
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -22,32 +21,26 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-import checkpoint
 import common
-import data
-import flags
-import launch
-import machine
-import reporting
+from ddpkit import checkpoint, data, flags, launch, machine, reporting, sigterm
+from ddpkit.task import load_task
 
 
-def main():
+def main(place):
     args = flags.parse_args(__doc__, "torchrun")
-    flags.check_args(args, elastic=True)
-    train(int(os.environ.get("LOCAL_RANK", args.local_rank)), args)  # the old launcher: a flag
+    flags.check_args(args, load_task(args.task), place, elastic=True)
+    train(place, args)
 
 
-def train(local_rank, args):
-    task = flags.load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
-    # torchrun tells each process who it is in its environment; without torchrun, one process.
-    nproc = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # processes on this machine
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = machine.process_device(local_rank, nproc)  # its own GPU, or its share of the cores
+def train(place, args):
+    task = load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
+    rank, world_size = place.rank, place.world_size  # as torchrun says (launch.torchrun_place)
+    device = machine.process_device(place.local_rank, place.nproc)  # its GPU, or CPU cores
     cuda = device.type == "cuda"
     # torchrun's environment is all init_process_group needs; torchrun_store adds a meeting
-    store = launch.torchrun_store(args, world_size, nproc, device)
-    node = f"prepared/{os.environ.get('GROUP_RANK', 0)}"
-    if local_rank == 0:  # the first process of each machine downloads, before any reads the data
+    store = launch.torchrun_store(args, place, device)
+    node = f"prepared/{place.node}"
+    if place.local_rank == 0:  # the first process of each machine downloads; the others wait
         task.prepare_data(args)
         store.set(node, "")
     store.wait([node], timedelta(seconds=args.timeout))
@@ -69,7 +62,7 @@ def train(local_rank, args):
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=args.timeout),
                             device_id=device if cuda else None)  # bound to its own GPU
-    report = reporting.Reporter(args, rank, world_size, device)
+    report = reporting.Reporter(args, place, device)
 
     # Model, optimizer and schedule from --seed; with --resume, continued from --checkpoint.
     torch.manual_seed(args.seed)
@@ -83,17 +76,16 @@ def train(local_rank, args):
     scheduler = task.make_scheduler(optimizer, args, steps)
     # Elastic: a group that torchrun (re)starts continues from the snapshot, if any has one.
     wish = checkpoint.RESUME if args.resume or args.evaluate else checkpoint.RESUME_IF_FOUND
-    ckpt = checkpoint.agreed(args, wish, device, report.log)  # refuses another run's
-    machine.settle_precision(args, device, report.log)  # --amp auto: one for the whole job
+    ckpt = checkpoint.agreed(args, wish, place, device, report.log)  # and --amp auto's dtype
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
                                      args.checkpoint, report.log)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    ddp = DDP(model, device_ids=[local_rank] if cuda else None)  # gradients averaged in backward
+    ddp = DDP(model, device_ids=[place.local_rank] if cuda else None)  # backward averages gradients
     net = torch.compile(ddp) if args.compile else ddp  # compiled after the wrap, as documented
 
     def save(epoch, step):  # the plain model's state: no "module." prefix
-        if args.checkpoint and (local_rank if args.save_on_each_node else rank) == 0:  # 1 writer
+        if args.checkpoint and (place.local_rank if args.save_on_each_node else rank) == 0:
             checkpoint.save(checkpoint.state(
                 model, optimizer, scheduler, scaler, epoch, step, args), args.checkpoint)
         dist.barrier()  # nobody runs ahead, or exits, before the checkpoint is complete
@@ -101,7 +93,7 @@ def train(local_rank, args):
     if args.evaluate:  # the model in --checkpoint, on the test set, and nothing else
         metrics = common.evaluate(model, test_loader, device, task)
         report.record(epoch=epoch, evaluate=True, **metrics)
-    stop = checkpoint.StopSignal(args.checkpoint, device, steps, elastic=True)  # SIGTERM: save
+    stop = sigterm.StopSignal(args.checkpoint, device, steps, elastic=True)  # SIGTERM: save
     scale = scaler.get_scale()
     for epoch in range(epoch, epoch if args.evaluate else args.epochs):
         sampler.set_epoch(epoch)  # a new order each epoch
@@ -148,5 +140,6 @@ def train(local_rank, args):
 
 
 if __name__ == "__main__":
-    with launch.clean_exit(f"[rank {os.environ.get('RANK')}] " * ("RANK" in os.environ)):
-        main()
+    place = launch.torchrun_place()  # who this process is, from its launcher's environment
+    with launch.clean_exit(place):
+        main(place)

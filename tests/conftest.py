@@ -151,8 +151,9 @@ def with_task(folder, code):
     of one's own, set up the way docs/your-own-task.md says."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    for f in ROOT.glob("*.py"):
-        (folder / f.name).write_text(f.read_text())
+    for f in [*ROOT.glob("*.py"), *ROOT.glob("ddpkit/*.py")]:
+        (folder / f.relative_to(ROOT)).parent.mkdir(exist_ok=True)
+        (folder / f.relative_to(ROOT)).write_text(f.read_text())
     with open(folder / "common.py", "a") as f:
         f.write("\n\n" + code)
     return folder

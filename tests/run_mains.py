@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(script))
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-import flags  # noqa: E402
+from ddpkit import flags, task  # noqa: E402
 
 
 class Started(BaseException):
@@ -61,18 +61,18 @@ setattr(flags.Parser, METHOD, parse)
 mp.spawn = started                # spawn_ddp.py starts its workers
 subprocess.run = started          # bench.py runs the scripts
 subprocess.Popen = started
-_load_task = flags.load_task
+_load_task = task.load_task
 
 
 def load_task(name):
     """The task, whose datasets start work: every training script builds them before its first
     step (common.py's own names stay, so MNIST's prepare_data still checks the files)."""
-    task = _load_task(name)
-    task.make_datasets = started
-    return task
+    loaded = _load_task(name)
+    loaded.make_datasets = started
+    return loaded
 
 
-flags.load_task = load_task
+task.load_task = load_task
 
 for line in sys.stdin:
     case = json.loads(line)

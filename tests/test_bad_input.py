@@ -23,6 +23,7 @@ from conftest import N_TEST, N_TRAIN, ROOT, make_tiny_mnist, run_mains, run_scri
 
 SCRIPTS = ("dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py")
 DDP = SCRIPTS[1:]
+TORCHRUN_RANK_0_OF_2 = {"RANK": "0", "WORLD_SIZE": "2"}  # what torchrun tells the first of 2
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 
 
@@ -73,7 +74,7 @@ def rows(tmp, data):
         (SCRIPTS, ["--workers", "-1"], {}, "--workers"),
         (SCRIPTS, ["--workers", "two"], {}, "--workers"),
         (("spawn_ddp.py",), ["--batch-size", "255"], {}, "--batch-size 255"),  # 2 processes
-        (("torchrun_ddp.py", "apex_ddp.py"), ["--batch-size", "255"], {"WORLD_SIZE": "2"},
+        (("torchrun_ddp.py", "apex_ddp.py"), ["--batch-size", "255"], TORCHRUN_RANK_0_OF_2,
          "--batch-size 255"),
         (SCRIPTS, ["--accumulate", "0"], {}, "--accumulate"),
         (SCRIPTS, ["--accumulate", "1.5"], {}, "--accumulate"),
@@ -82,7 +83,7 @@ def rows(tmp, data):
         (("spawn_ddp.py",), ["--batch-size", "36", "--accumulate", "4"], {},  # 2 processes
          "world size x --accumulate = 2 x 4"),
         (("torchrun_ddp.py", "apex_ddp.py"), ["--batch-size", "36", "--accumulate", "4"],
-         {"WORLD_SIZE": "2"}, "world size x --accumulate = 2 x 4"),
+         TORCHRUN_RANK_0_OF_2, "world size x --accumulate = 2 x 4"),
         (("spawn_ddp.py",), ["--nproc-per-node", "0"], {}, "--nproc-per-node"),
         (("spawn_ddp.py",), ["--nnodes", "0"], {}, "--nnodes"),
         (("spawn_ddp.py",), ["--node-rank", "-1"], {}, "--node-rank"),

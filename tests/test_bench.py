@@ -85,6 +85,7 @@ def test_bench_compares_environments_and_another_checkout(tiny_mnist, tmp_path):
     other.mkdir()
     for f in ROOT.glob("*.py"):
         shutil.copy(f, other)
+    shutil.copytree(ROOT / "ddpkit", other / "ddpkit")
     r = run_script("bench.py", "--data-dir", tiny_mnist, "--reps", 1, "--batch-size", 64,
                    "--scripts", "dp_baseline", "--world-sizes", 1,
                    "--with-env", "BENCH_TEST_VARIABLE=1", "--against", other, timeout=400)

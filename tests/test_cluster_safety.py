@@ -25,8 +25,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import checkpoint
-import data
+from ddpkit import checkpoint, data, sigterm
 from conftest import NO_BF16, ROOT, family, free_port, load, read_metrics, read_records, \
     run_script, script_env, threads, with_task
 
@@ -59,7 +58,7 @@ def test_the_stop_agreement_is_about_once_a_second_on_the_training_group(tiny_mn
     seconds = [row["epoch_seconds"] for row in read_metrics(tmp_path / "m.jsonl")]
     checks = agreements(tmp_path)
     assert set(checks) == {0, 1} and checks[0] == checks[1], checks
-    assert 2 * 2 <= checks[0] <= sum(3 + math.ceil(s / checkpoint.AGREE_EVERY) for s in seconds)
+    assert 2 * 2 <= checks[0] <= sum(3 + math.ceil(s / sigterm.AGREE_EVERY) for s in seconds)
 
 
 @pytest.mark.slow
@@ -289,14 +288,14 @@ def meet_in_threads(store, ranks, join_timeout=5.0, kinds=None):
     import argparse
     import threading
 
-    import launch
+    from ddpkit import launch
     args = argparse.Namespace(join_timeout=join_timeout, timeout=30.0)
     out = {}
 
     def one(rank):
         try:
-            out[rank] = launch.meet(store, rank, 2, args, rank, True,
-                                     (kinds or {}).get(rank, "gloo on cpu"))
+            out[rank] = launch.meet(store, launch.Place(rank, 2, 0, 1, rank, True), args,
+                                    (kinds or {}).get(rank, "gloo on cpu"))
         except Exception as e:
             out[rank] = e
     threads = [threading.Thread(target=one, args=(r,)) for r in ranks]

@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-import checkpoint
 import common
-import data
-import flags
+from ddpkit import checkpoint, data, flags, sigterm
+from ddpkit.launch import Place
+from ddpkit.task import SEAM, load_task
 from conftest import N_TEST, N_TRAIN, free_port
 
 
@@ -103,7 +103,7 @@ def test_per_sample_seeds_do_not_depend_on_order_workers_or_rank():
     dataset.set_epoch(3)
     single = draws(DataLoader(dataset, batch_size=5))
     shuffled = draws(DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2,
-                                worker_init_fn=data.worker_init))
+                                worker_init_fn=sigterm.worker_init))
     assert single == shuffled  # any order, any number of workers: sample i draws the same
     assert len({v for v in single.values()}) == len(single)  # and samples differ
     dataset.set_epoch(4)
@@ -131,7 +131,7 @@ def test_the_epoch_reaches_workers_persistent_ones_too(persistent):
     (persistent_workers=True) still draw epoch 1's values in epoch 1."""
     dataset = data.PerSampleSeeds(Draws(), seed=0)
     loader = DataLoader(dataset, batch_size=8, num_workers=2, persistent_workers=persistent,
-                        worker_init_fn=data.worker_init, multiprocessing_context="fork")
+                        worker_init_fn=sigterm.worker_init, multiprocessing_context="fork")
     if persistent:
         data.start_workers(loader)  # as the scripts start them
     by_epoch = []
@@ -270,45 +270,48 @@ def test_the_port_of_a_store_that_just_ended_is_free_but_a_listening_one_is_not(
     with socket.socket() as plain, pytest.raises(OSError):
         plain.bind(("", port))  # the old check: refused
     args = args_for(None, "spawn", master_port=port)
-    flags.check_args(args)  # the check now: the store can take it...
+    flags.check_args(args, None)  # the check now: the store can take it...
     again = dist.TCPStore("127.0.0.1", port, None, True, timeout=timedelta(seconds=10))  # ...it can
     with pytest.raises(common.Fatal, match=f"port {port} is already in use"):
-        flags.check_args(args)  # while a store listens there, the port is taken
+        flags.check_args(args, None)  # while a store listens there, the port is taken
     del again
 
 
 def test_one_process_resumes_only_when_asked_and_found(tmp_path):
     args = argparse.Namespace(checkpoint=str(tmp_path / "c.pt"), evaluate=False, seed=0,
-                              amp="none", task=None)
-    cpu = torch.device("cpu")
-    assert checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, cpu) is None
+                              amp="none", task=None, resume=True)
+    cpu, one = torch.device("cpu"), Place()
+    assert checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, one, cpu) is None
     with pytest.raises(common.Fatal, match="no checkpoint at"):
-        checkpoint.agreed(args, checkpoint.RESUME, cpu)
+        checkpoint.agreed(args, checkpoint.RESUME, one, cpu)
     torch.save({"model": {}, "epoch": 2, "step": 5, "args": {"seed": 0, "task": None}},
                args.checkpoint)
-    assert checkpoint.agreed(args, checkpoint.NO_RESUME, cpu) is None
-    assert checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, cpu)["step"] == 5
+    assert checkpoint.agreed(args, checkpoint.NO_RESUME, one, cpu) is None
+    assert checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, one, cpu)["step"] == 5
+    task = argparse.Namespace(make_model=lambda args: torch.nn.Module())  # no parameters
+    checkpoint.check_file(args, task, one)
     args.seed = 1  # another run's checkpoint: refused, unless only evaluated
     with pytest.raises(common.Fatal, match="--seed 0 in the checkpoint, 1 now"):
-        checkpoint.agreed(args, checkpoint.RESUME_IF_FOUND, cpu)
+        checkpoint.check_file(args, task, one)
     args.evaluate = True
-    assert checkpoint.agreed(args, checkpoint.RESUME, cpu)["step"] == 5
+    checkpoint.check_file(args, task, one)
+    assert checkpoint.agreed(args, checkpoint.RESUME, one, cpu)["step"] == 5
     args.task = "tasks/text.py"  # but evaluated with another task's code: refused
     with pytest.raises(common.Fatal, match=r"trained with no --task \(MNIST\), this run has "
                        "--task tasks/text.py: evaluate it with no --task"):
-        checkpoint.agreed(args, checkpoint.RESUME, cpu)
+        checkpoint.check_file(args, task, one)
 
 
 def test_sigterm_without_a_checkpoint_stops_at_once():
-    stop = checkpoint.StopSignal(checkpoint=None, device=torch.device("cpu"), steps=10)
+    stop = sigterm.StopSignal(checkpoint=None, device=torch.device("cpu"), steps=10)
     try:
-        with pytest.raises(checkpoint.Preempted, match="nothing saved"):
+        with pytest.raises(sigterm.Preempted, match="nothing saved"):
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(1000):  # the handler runs between two bytecodes
                 pass
     finally:
         stop.close()
-    stop = checkpoint.StopSignal(checkpoint="c.pt", device=torch.device("cpu"), steps=10)
+    stop = sigterm.StopSignal(checkpoint="c.pt", device=torch.device("cpu"), steps=10)
     try:
         assert not stop(1)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -324,7 +327,7 @@ def test_the_task_is_looked_up_when_loaded(monkeypatch, tmp_path):
     monkeypatch.setattr(common, "make_model", lambda args: torch.nn.Linear(3, 2))
     torch.save({"model": torch.nn.Linear(3, 2).state_dict(), "epoch": 1}, tmp_path / "new.pt")
     torch.save({"model": common.Net().state_dict(), "epoch": 1}, tmp_path / "old.pt")
-    task = flags.load_task(None)
+    task = load_task(None)
     ok = args_for(None, checkpoint=str(tmp_path / "new.pt"), resume=True)
     flags.check_args(ok, task)
     bad = args_for(None, checkpoint=str(tmp_path / "old.pt"), resume=True)
@@ -335,12 +338,12 @@ def test_the_task_is_looked_up_when_loaded(monkeypatch, tmp_path):
 def test_a_task_file_leaves_common_as_it_is(tmp_path):
     """--task's names reach the scripts through the task alone: common.py's stay common.py's;
     what the file leaves out is common.py's, and it prepares none of MNIST's data."""
-    before = {name: getattr(common, name) for name in flags.SEAM}
+    before = {name: getattr(common, name) for name in SEAM}
     (tmp_path / "mytask.py").write_text("import torch\n\ndef loss_fn(output, target):\n"
                                         "    return torch.tensor(7.0)\n\n"
                                         "def make_datasets(args):\n    return [], []\n")
-    task = flags.load_task(str(tmp_path / "mytask.py"))
-    assert {name: getattr(common, name) for name in flags.SEAM} == before
+    task = load_task(str(tmp_path / "mytask.py"))
+    assert {name: getattr(common, name) for name in SEAM} == before
     assert float(task.loss_fn(None, None)) == 7 and task.make_model is common.make_model
     assert task.prepare_data is not common.prepare_data
 

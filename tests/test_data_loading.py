@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import data
+from ddpkit import data
 from conftest import N_TRAIN, ROOT, assert_same_training_state, load, max_rel_diff, \
     run_script, script_env, sigterm_when, with_task
 

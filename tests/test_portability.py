@@ -13,8 +13,7 @@ import pytest
 
 from conftest import ROOT, read_metrics, run_script
 
-MODULES = ("common.py", "checkpoint.py", "data.py", "flags.py", "launch.py", "machine.py",
-           "reporting.py")
+MODULES = ("common.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ddpkit").glob("*.py")))
 FILES = (*MODULES, "spawn_ddp.py", "torchrun_ddp.py", "dp_baseline.py", "apex_ddp.py", "bench.py")
 MISSING_OFF_LINUX = {  # absent on macOS and Windows (Python docs: "Availability: Linux")
     "os": {"sched_getaffinity", "sched_setaffinity", "pidfd_open", "memfd_create", "eventfd",

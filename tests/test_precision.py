@@ -8,7 +8,8 @@ import argparse
 import pytest
 import torch
 
-import machine
+from ddpkit import checkpoint, machine
+from ddpkit.launch import Place
 from conftest import NO_BF16, load, run_mains, run_script
 
 BF16 = "avx512_bf16=1,amx_bf16=1"
@@ -54,14 +55,15 @@ def test_amp_bf16_warns_only_without_bf16_instructions(script):
 
 @pytest.mark.parametrize("features,said", AUTO, ids=[f for f, _ in AUTO])
 def test_amp_auto_picks_bf16_only_where_the_cpu_computes_it(monkeypatch, features, said):
-    """machine.settle_precision itself, in this process, on the CPU the case describes (what
-    torch.cpu.get_capabilities reports, faked as tests/instrument does): one process, no
-    checkpoint. (Several processes: test_cluster_safety.py's one precision for the job.)"""
+    """machine.settle_precision itself, through checkpoint.agreed in this process, on the CPU
+    the case describes (what torch.cpu.get_capabilities reports, faked as tests/instrument
+    does): one process, no checkpoint. (Several processes: test_cluster_safety.py's one
+    precision for the job.)"""
     caps = {} if features == "unknown" else {
         name: bool(int(value)) for name, value in (f.split("=") for f in features.split(","))}
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps, raising=False)
-    args, lines = argparse.Namespace(amp="auto", evaluate=False), []
-    machine.settle_precision(args, torch.device("cpu"), lines.append)
+    args, lines = argparse.Namespace(amp="auto", evaluate=False, checkpoint=None), []
+    checkpoint.agreed(args, checkpoint.NO_RESUME, Place(), torch.device("cpu"), lines.append)
     assert args.amp == ("bf16" if said.startswith("bf16") else "none")
     [line] = lines
     assert line.startswith(f"precision: {said}") and line.endswith(

@@ -162,7 +162,7 @@ def test_every_cited_path_and_link_exists():
                     theirs = (page.parent / path).read_text()
                     assert anchor in {github_anchor(h) for h in re.findall(r"^#+ (.+)$", theirs, re.M)}, \
                         f"{page.name}: no heading for the link {target}"
-        for path in re.findall(r"`((?:tests|docs|slurm|\.ci)/[\w./-]*|[\w-]+\.(?:py|md|sbatch|txt))`", text):
+        for path in re.findall(r"`((?:tests|docs|slurm|\.ci|ddpkit)/[\w./-]*|[\w-]+\.(?:py|md|sbatch|txt))`", text):
             if path in {"main.py"}:  # other projects' file names, quoted
                 continue
             assert (ROOT / path).exists(), f"{page.name} cites {path}, which does not exist"

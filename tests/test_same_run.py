@@ -116,7 +116,8 @@ def test_evaluate_compares_nothing(first_epoch, tiny_mnist, tmp_path):
 @pytest.mark.slow
 def test_nodes_started_with_other_flags_are_refused(tiny_mnist, tmp_path):
     """Two spawn_ddp.py nodes given two seeds would train two different programs in one job:
-    refused by the first process of each node, before anything is written."""
+    refused by the first process of each node, before anything is written, exit code 2 (bad
+    input) from each launcher, which adds no line of its own."""
     port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist), *map(str, BASE),
@@ -125,8 +126,9 @@ def test_nodes_started_with_other_flags_are_refused(tiny_mnist, tmp_path):
          "--checkpoint", str(tmp_path / f"c{n}.pt")], cwd=tmp_path, env=script_env(),
         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in range(2)]
     errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert [p.returncode for p in procs] == [1, 1], errs
+    assert [p.returncode for p in procs] == [2, 2], errs
     for err in errs:
+        assert len(err.strip().splitlines()) == 1, err
         assert "were started with other flags than rank 0's; give every node the same " \
                "command" in err, err
     assert not list(tmp_path.glob("*.pt"))

@@ -83,6 +83,32 @@ def test_other_ways_to_start(tiny_mnist, tmp_path, how):
     assert_same_final_replicas(ref, tmp_path / "rec", nproc)
 
 
+@pytest.mark.slow
+def test_pytorchjob_pods_with_rank_and_world_size_only_train_as_torchrun(tiny_mnist, straight,
+                                                                          tmp_path):
+    """A Kubeflow PyTorchJob in its plain form runs `python torchrun_ddp.py` in each pod with
+    MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK only (no LOCAL_RANK, no GROUP_RANK): each pod
+    is a node of one process. Two such pods train what torchrun's 2 processes train, bit for
+    bit, to one checkpoint (each died of a KeyError on LOCAL_RANK at 73aa1d9)."""
+    ref = straight(2, 64, 1)
+    port, out = free_port(), tmp_path / "run"
+    pods = [subprocess.Popen(
+        [sys.executable, str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size", "64",
+         "--log-interval", "5", "--checkpoint", str(out / "c.pt"), "--metrics",
+         str(out / "m.jsonl")], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True,
+        env=script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, RANK=rank,
+                       OMP_NUM_THREADS=1)) for rank in range(2)]
+    try:
+        outs = [p.communicate(timeout=180) for p in pods]
+    finally:
+        [os.killpg(p.pid, signal.SIGKILL) for p in pods if p.poll() is None]
+    assert [p.returncode for p in pods] == [0, 0], outs
+    assert "2 processes (2 node(s) x 1)" in outs[0][0], outs[0]
+    assert_same_training_state(load(ref / "c.pt"), load(out / "c.pt"))
+    assert [row["world_size"] for row in read_metrics(out / "m.jsonl")] == [2]
+
+
 def test_old_local_rank_spelling_is_accepted():
     """Launchers before torch 2.0 pass `--local_rank=N` (the legacy test covers `--local-rank`).
     The script's real main(), stopped where training would start (tests/run_mains.py)."""

@@ -109,8 +109,7 @@ def test_slow_save_on_rank_0_fails_the_others_at_the_barrier(tiny_mnist, tmp_pat
     t_last_step, _ = run.first(r"epoch 1/1 step 10/10")
     t_error, line = run.first(r"\[rank 1\] error: distributed: Timed out waiting 3000ms for recv")
     assert timeout - 0.5 < t_error - t_last_step < timeout + 20, run.text  # + slack for load
-    run.first(r"^error: worker 1 exited with code 1$")
-    assert run.returncode == 1
+    assert run.returncode == 1 and "error: worker" not in run.text  # the launcher adds nothing
     assert "Traceback" not in run.text
     assert load(tmp_path / "c.pt")["epoch"] == 1  # written whole, after the SIGTERM
     assert not list(tmp_path.glob("*.tmp"))
@@ -142,8 +141,7 @@ def test_a_skipped_collective_waits_for_the_timeout(tiny_mnist):
     assert 4.5 < t_error - t_skip < 60, run.text
     _, line = run.first(r"\[rank 0\] error: distributed: ")
     assert re.search(rf"{GLOO_TIMEOUT}|Connection closed by peer", line), line
-    run.first(r"^error: worker [01] exited with code 1$")
-    assert run.returncode == 1
+    assert run.returncode == 1 and "error: worker" not in run.text
 
 
 def test_ddp_reads_the_wrong_object_under_detail_on_gloo(tmp_path):

@@ -24,7 +24,7 @@ changes none of their results:
                         os.sched_setaffinity are gone and /proc cannot be read
   DDP_TEST_NO_CHECK=1   common.evaluate(..., batches=1) does nothing: the scripts without the
                         test batch they evaluate before training, to show that it leaves no trace
-  DDP_TEST_NO_STOP=1    checkpoint.StopSignal never stops the run and runs no all-reduce: the
+  DDP_TEST_NO_STOP=1    sigterm.StopSignal never stops the run and runs no all-reduce: the
                         scripts without their per-step SIGTERM check, so that bench.py can
                         measure what the check costs (--with-env, see docs/speed.md)
   DDP_TEST_ALLREDUCE_LOG=DIR
@@ -162,9 +162,9 @@ if os.environ.get("DDP_TEST_NO_CHECK"):
     _patch_module("common", _no_first_test_batch)
 
 if os.environ.get("DDP_TEST_NO_STOP"):
-    def _no_stop_check(checkpoint):
-        checkpoint.StopSignal.__call__ = lambda self, step: False
-    _patch_module("checkpoint", _no_stop_check)
+    def _no_stop_check(sigterm):
+        sigterm.StopSignal.__call__ = lambda self, step: False
+    _patch_module("ddpkit.sigterm", _no_stop_check)
 
 if os.environ.get("DDP_TEST_ALLREDUCE_LOG"):
     import torch.distributed as dist
@@ -242,10 +242,10 @@ if os.environ.get("DDP_TEST_BACKEND_OF"):
         rank, kind = os.environ["DDP_TEST_BACKEND_OF"].split(":", 1)
         meet = launch.meet
 
-        def meet_as_other(store, r, *args):
-            return meet(store, r, *args[:-1], kind if r == int(rank) else args[-1])
+        def meet_as_other(store, place, args, own):
+            return meet(store, place, args, kind if place.rank == int(rank) else own)
         launch.meet = meet_as_other
-    _patch_module("launch", _other_backend)
+    _patch_module("ddpkit.launch", _other_backend)
 
 RECORD = os.environ.get("DDP_TEST_RECORD")
 if RECORD:

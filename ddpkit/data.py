@@ -1,19 +1,18 @@
 """The data path: each process's shard skipped to where a resume continues, random numbers
 drawn per sample and per step (the same at any world size, with any workers, after a resume),
 --accumulate's micro-batches, and data workers that share the training process's memory and
-outlive a SIGTERM not meant for them. docs/training.md says why each is so."""
+outlive a SIGTERM not meant for them (sigterm.py). docs/training.md says why each is so."""
 import hashlib
 import itertools
-import os
 import random
-import signal
 import sys
-import threading
 
 import torch
 from torch.utils.data import Dataset, Sampler
 
 import common
+
+from . import sigterm
 
 
 class Skippable(Sampler):
@@ -103,41 +102,16 @@ def worker_options(workers):
     (python/cpython#112275). Elsewhere than Linux: the platform's way."""
     if not workers:
         return {}
-    return {"persistent_workers": True, "worker_init_fn": worker_init,
+    return {"persistent_workers": True, "worker_init_fn": sigterm.worker_init,
             "multiprocessing_context": "fork" if sys.platform == "linux" else None}
 
 
 def start_workers(*loaders):
     """The loaders' workers, started now, with an empty sampler (nothing is loaded until the
-    first epoch asks) and SIGTERM blocked in them until worker_init takes it over: blocked in
-    this thread meanwhile, as a signal mask survives fork (Windows has none)."""
-    if hasattr(signal, "pthread_sigmask"):
-        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
+    first epoch asks), SIGTERM blocked in them until sigterm.worker_init takes it over."""
+    with sigterm.blocked():
         for loader in loaders:
             if loader.num_workers:
                 sampler, loader.batch_sampler.sampler = loader.batch_sampler.sampler, []
                 iter(loader)
                 loader.batch_sampler.sampler = sampler
-    finally:
-        if hasattr(signal, "pthread_sigmask"):
-            signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
-def worker_init(worker_id):
-    """A SIGTERM to the whole job (SLURM's scancel, torchrun's os.killpg) reaches the data
-    workers too, and PyTorch's handler lets a worker die of one its parent did not send: the
-    training process then fails before it can save. Here a worker exits on a SIGTERM from its
-    training process (the DataLoader ending it) and ignores any other; the training process
-    stops the run. Linux (sigwaitinfo); elsewhere PyTorch's handler."""
-    if hasattr(signal, "sigwaitinfo") and hasattr(signal, "pthread_sigmask"):
-        parent = os.getppid()
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # here and in later threads
-
-        def wait_for_sigterm():
-            while True:
-                if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
-                    os._exit(0)  # what PyTorch's handler does for a SIGTERM from the parent
-        threading.Thread(target=wait_for_sigterm, name="sigterm", daemon=True).start()
-    elif hasattr(signal, "pthread_sigmask"):  # macOS
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

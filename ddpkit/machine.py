@@ -1,10 +1,9 @@
 """The machine each process trains on: its device (its own GPU, or its share of the CPU's
-cores) and the precision it computes in (--amp auto asks torch whether the device computes
-bfloat16, and the job takes one answer). Portable: Linux, macOS, Windows."""
+cores) and the precision it computes in, decided here alone (--amp auto asks torch whether the
+device computes bfloat16, and the job takes one answer). Portable: Linux, macOS, Windows."""
 import os
 
 import torch
-import torch.distributed as dist
 
 import common
 from common import Fatal
@@ -70,24 +69,27 @@ class Autocast(torch.nn.Module):
             return self.model(*args, **kwargs)
 
 
-def settle_precision(args, device, log=print):
-    """--amp auto for a new run, decided once for the whole job after the process group formed,
-    and said once: bf16 only if every process's device computes bfloat16 (`computes_bf16`), else
-    fp32. (Each deciding alone, the ranks of one job on GPUs of two generations would train in
-    two precisions.) A resumed run keeps its checkpoint's (checkpoint.agreed)."""
+def settle_precision(args, place, device, lacking, resumed=None, log=print):
+    """--amp auto, decided once for the whole job when its processes agree (checkpoint.agreed,
+    whose one gather carries every process's `computes_bf16`), and said once. A resumed run
+    keeps the precision it was trained in (`resumed`); a new one trains in bf16 only if no
+    rank's device lacks bfloat16 (`lacking`: their ranks), else in fp32. (Each deciding alone,
+    the ranks of one job on GPUs of two generations would train in two precisions.)"""
     if args.amp != "auto" or args.evaluate:
         return
-    fast, why = computes_bf16(device.index if device.type == "cuda" else None)
-    args.amp = "bf16" if fast else "none"
-    if dist.is_initialized():  # the least capable device decides
-        mine = torch.tensor([args.amp == "bf16"], dtype=torch.uint8, device=device)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        common.recent.extend([mine, *every])
-        dist.all_gather(every, mine)
-        lacking = [str(r) for r, f in enumerate(torch.cat(every).tolist()) if not f]  # 1 wait
-        if lacking and args.amp == "bf16":
-            args.amp, why = "none", f"the device of rank(s) {', '.join(lacking)} has no " \
-                                    "bfloat16 arithmetic and all train in one precision"
+    gpu = device.index if device.type == "cuda" else None
+    if resumed:
+        args.amp = resumed
+        log(f"precision: {PRECISION[args.amp]}, the precision the checkpoint was trained in "
+            "(--amp auto)")
+        if place.first_on_node:
+            warn_if_slower(args.amp, gpu)
+        return
+    fast, why = computes_bf16(gpu)
+    args.amp = "bf16" if fast and not lacking else "none"
+    if fast and lacking:
+        why = f"the device of rank(s) {', '.join(map(str, lacking))} has no bfloat16 " \
+              "arithmetic and all train in one precision"
     log(f"precision: {PRECISION[args.amp]}, as {why} (--amp auto; --amp none: fp32)")
 
 

@@ -1,6 +1,7 @@
-"""The processes' lives: how each ends (one line, an exit code, and leaving the process group
-at once), where they meet when the script itself must say (spawn_ddp.py's store; torchrun's,
-with a meeting of this round), and mp.spawn's worker and launcher. docs/clusters.md."""
+"""The processes' lives: who each is in its job (Place, worked out once from what its launcher
+gives), where they meet when the script itself must say (spawn_ddp.py's store; torchrun's,
+with a meeting of this round), how each ends (one line, an exit code, and leaving the process
+group at once), and mp.spawn's worker and launcher. docs/clusters.md."""
 import contextlib
 import os
 import re
@@ -10,13 +11,62 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from multiprocessing import connection
+from typing import NamedTuple
 
-import torch
 import torch.distributed as dist
 
-import flags
-from checkpoint import Preempted
 from common import Fatal, say
+
+from . import sigterm
+from .task import failure
+
+
+class Place(NamedTuple):
+    """Who a process is in its job: its rank of world_size, its local_rank of the nproc
+    processes on its machine, and that machine's index, its node. Worked out once, from what its
+    launcher gives (spawn_place, torchrun_place; without a launcher: one process), and passed
+    down. `launched`: started by a launcher, so that its lines name its rank."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    nproc: int = 1
+    node: int = 0
+    launched: bool = False
+
+    @property
+    def nnodes(self):
+        return self.world_size // self.nproc
+
+    @property
+    def first_on_node(self):
+        return self.local_rank == 0
+
+    @property
+    def who(self):
+        return f"[rank {self.rank}] " if self.launched else ""
+
+
+def spawn_place(args, local_rank):
+    """spawn_ddp.py's processes: --nproc-per-node on each of --nnodes machines, numbered node
+    by node (global rank = node_rank x nproc_per_node + local_rank)."""
+    nproc = args.nproc_per_node
+    return Place(args.node_rank * nproc + local_rank, args.nnodes * nproc, local_rank, nproc,
+                 args.node_rank, True)
+
+
+def torchrun_place():
+    """A process started by torchrun, the old launcher, TorchX or SLURM through torchrun:
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK, its node's index. A Kubeflow
+    PyTorchJob pod in its plain form has RANK and WORLD_SIZE only: one process, a node of its
+    own. Without RANK: one process, no launcher."""
+    env = os.environ
+    if "RANK" not in env:
+        return Place()
+    rank, nproc = int(env["RANK"]), int(env.get("LOCAL_WORLD_SIZE", 1))
+    return Place(rank, int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), nproc,
+                 int(env.get("GROUP_RANK", rank // nproc)), True)
+
 
 # ---- How a process ends: one line, never a traceback ------------------------------------
 
@@ -24,23 +74,22 @@ from common import Fatal, say
 GLOO_LOST_PEER = ("/gloo/", "Application timeout caused pair closure", "Wait timeout")
 
 
-class Failed(Fatal):
-    """A process of the job failed (it has said why): one line, exit code 1."""
-    code = 1
-
-
 @contextlib.contextmanager
-def clean_exit(who=""):
-    """Every ending as one line on stderr: exit code 2 for bad input, 1 for a lost peer or an
-    error in the code (a bug in the task, CUDA out of memory), whose frames follow its line, 130
-    for Ctrl-C, 143 after a SIGTERM. A process that leaves on an error of its own leaves its
-    process group first (`leave_group`), so that the others fail at once instead of waiting
-    out --timeout. The exit comes outside the `except`, once the failed frames are released."""
+def clean_exit(place=Place()):
+    """Every ending as one line on stderr, led by the process's rank where it has one: exit code
+    2 for bad input, 1 for a lost peer or an error in the code (a bug in the task, CUDA out of
+    memory), whose frames follow its line, 130 for Ctrl-C, 143 after a SIGTERM. Bad input is
+    refused alike by every process of a node (the same flags, files and devices), and said by
+    its first process alone. A process that leaves on an error of its own leaves its process
+    group first (`leave_group`), so that the others fail at once instead of waiting out
+    --timeout. The exit comes outside the `except`, once the failed frames are released."""
     try:
         yield
         return
-    except Fatal as e:  # bad input, a failed process, a SIGTERM (Preempted)
-        line, code = str(e) and f"{e.says}: {e}", e.code  # (empty: another process says it)
+    except Fatal as e:  # bad input, a SIGTERM (sigterm.Preempted)
+        line, code = str(e) and f"{e.says}: {e}", e.code
+        if code == Fatal.code and not place.first_on_node:
+            line = ""  # its node's first process says it
     except KeyboardInterrupt:
         line, code = "interrupted", 130
     except Exception as e:
@@ -48,13 +97,13 @@ def clean_exit(who=""):
                 isinstance(e, RuntimeError) and any(m in str(e) for m in GLOO_LOST_PEER)):
             line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             line = re.sub(r"^\[\S+\] ", "", line)  # without gloo's "[source.cc:123] "
-            say(f"{who}error: distributed: {line[:300]}")  # (gloo: a plain RuntimeError)
+            say(f"{place.who}error: distributed: {line[:300]}")  # (gloo: a plain RuntimeError)
             sys.stdout.flush()  # the group is broken: no teardown, where gloo's threads can abort
             os._exit(1)
-        line, code = flags.failure(e)
+        line, code = failure(e)
         line = f"error: {line}"
     if line:
-        say(who + line)
+        say(place.who + line)
     leave_group()
     sys.exit(code)
 
@@ -89,46 +138,42 @@ def on_loopback():
             os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
 
 
-def spawn_store(args, store_file, rank, device):
+def spawn_store(args, place, store_file, device):
     """Where spawn_ddp.py's processes meet. One machine: a file in the launcher's private folder
     (no port). Several, or --master-port: a TCP store that rank 0 hosts on node 0 (on every
     interface: docs/security.md), in which the nodes first check that all run as many processes.
     Then all meet (`meet`)."""
-    nproc = args.nproc_per_node
-    where = (args.node_rank, rank % nproc == 0, backend(device))
     if args.master_port is None:
         on_loopback()
-        return meet(dist.FileStore(store_file, args.nnodes * nproc), rank, args.nnodes * nproc,
-                    args, *where)
-    store = dist.TCPStore(args.master_addr or "127.0.0.1", args.master_port, is_master=rank == 0,
-                          timeout=timedelta(seconds=args.join_timeout))
-    store.set(f"nproc/{args.node_rank}", str(nproc))
+        return meet(dist.FileStore(store_file, place.world_size), place, args, backend(device))
+    store = dist.TCPStore(args.master_addr or "127.0.0.1", args.master_port,
+                          is_master=place.rank == 0, timeout=timedelta(seconds=args.join_timeout))
+    store.set(f"nproc/{place.node}", str(place.nproc))
     counts = [int(store.get(f"nproc/{n}")) for n in range(args.nnodes)]
     if len(set(counts)) > 1:  # their ranks would collide
-        read_by_all(store, "nproc/read", rank, sum(counts), args.join_timeout)
+        read_by_all(store, "nproc/read", place.rank, sum(counts), args.join_timeout)
         raise Fatal(f"every node must run the same --nproc-per-node; nodes 0..{args.nnodes - 1} "
                     f"run {', '.join(map(str, counts))}")
-    return meet(store, rank, args.nnodes * nproc, args, *where)
+    return meet(store, place, args, backend(device))
 
 
-def torchrun_store(args, world_size, nproc, device):
+def torchrun_store(args, place, device):
     """The store that init_process_group would make from torchrun's environment (MASTER_ADDR,
-    MASTER_PORT), after the meeting (`meet`), under the prefix of this round. Without
-    torchrun: one in memory."""
-    if nproc == world_size:
+    MASTER_PORT), after the meeting (`meet`), under the prefix of this round. One process: one
+    in memory."""
+    if place.nproc == place.world_size:
         on_loopback()
-    if "RANK" not in os.environ:
+    if place.world_size == 1:
         return dist.HashStore()
-    store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))
-    node, local_rank = int(os.environ.get("GROUP_RANK", 0)), int(os.environ["LOCAL_RANK"])
-    return meet(store, rank, world_size, args, node, local_rank == 0, backend(device))
+    store = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))[0]
+    return meet(store, place, args, backend(device))
 
 
 def backend(device):
     return f"{'nccl' if device.type == 'cuda' else 'gloo'} on {device.type}"
 
 
-def meet(store, rank, world_size, args, node, first_on_node, kind):
+def meet(store, place, args, kind):
     """Every process checks in and waits for all, in a round that rank 0 opens under a new token:
     torchrun's agent keeps its store from round to round (pytorch/pytorch#167288), so the last
     round's keys are still there, and TORCHELASTIC_RESTART_COUNT, which counts per node, cannot
@@ -136,18 +181,19 @@ def meet(store, rank, world_size, args, node, first_on_node, kind):
     earlier round's, and so is one whose round never formed: the process looks again until rank
     0's new one is there. --join-timeout bounds the wait for one that never comes, and names it.
     Rank 0 then compares what each would train on (`kind`): a node whose processes would use
-    another backend (a GPU not seen: gloo on the CPU beside NCCL) is refused, said once per
-    node. Returns the store under the round's prefix, waiting --timeout: init_process_group
-    keeps the timeout of a store it is given (only its init_method path sets it), and NCCL
-    fetches its unique id through that store inside the call, where a node still preparing its
-    data would otherwise fail the start-up."""
+    another backend (a GPU not seen: gloo on the CPU beside NCCL) is refused. Returns the store
+    under the round's prefix, waiting --timeout: init_process_group keeps the timeout of a store
+    it is given (only its init_method path sets it), and NCCL fetches its unique id through
+    that store inside the call, where a node still preparing its data would otherwise fail the
+    start-up."""
+    rank, world_size, mine = place.rank, place.world_size, f"{place.node} {kind}"
     store.set_timeout(timedelta(seconds=args.join_timeout))
     deadline, token = time.monotonic() + args.join_timeout, None
     try:
         if rank == 0:
             token = secrets.token_hex(8)
             store.set("round", token)
-            store.set(f"{token}/0", f"{node} {kind}")
+            store.set(f"{token}/0", mine)
             store.wait([f"{token}/{r}" for r in range(world_size)])
             others = [store.get(f"{token}/{r}").decode().split(" ", 1) for r in range(world_size)]
             odd = sorted({int(n) for n, k in others if k != kind})
@@ -163,7 +209,7 @@ def meet(store, rank, world_size, args, node, first_on_node, kind):
                     break
             elif seen != token:
                 token = seen
-                store.set(f"{token}/{rank}", f"{node} {kind}")
+                store.set(f"{token}/{rank}", mine)
             if time.monotonic() > deadline:
                 raise dist.DistStoreError("")
             time.sleep(pause)
@@ -172,7 +218,7 @@ def meet(store, rank, world_size, args, node, first_on_node, kind):
             verdict = store.get(f"{token}/all").decode()
         if verdict:
             read_by_all(store, f"{token}/read", rank, world_size, args.join_timeout)
-            raise Fatal(verdict if first_on_node else "")
+            raise Fatal(verdict)
     except RuntimeError as e:  # a store that waited --join-timeout (a FileStore's: not a DistError)
         if not isinstance(e, dist.DistError) and "imeout" not in str(e):
             raise
@@ -196,21 +242,35 @@ def read_by_all(store, key, rank, world_size, seconds):
 
 def worker(local_rank, train, args, private):
     """mp.spawn's target: train(), its error one line that names the rank."""
-    with clean_exit(f"[rank {args.node_rank * args.nproc_per_node + local_rank}] "):
+    place = spawn_place(args, local_rank)
+    with clean_exit(place):
         # NCCL: a collective that fails or times out takes its process down, as under torchrun
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        train(local_rank, args, os.path.join(private, "store"))
+        train(place, args, os.path.join(private, "store"))
 
 
-def join(workers):
-    """spawn_ddp.py's launcher: wait for its processes; a SIGTERM to it alone (`kill PID`) goes on
-    to them, and none outlives it."""
-    signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in workers.processes])
+def join(workers, args, say_within=5, grace=30):
+    """spawn_ddp.py's launcher: waits for its processes and ends as the first that failed, with
+    its exit code, adding nothing to what it said. The others get `say_within` seconds to end by
+    themselves (bad input ends them all, said by their first alone), then SIGTERM, and SIGKILL
+    `grace` s later: one stuck in a collective ignores a SIGTERM (sigterm.StopSignal). A
+    SIGTERM to the launcher alone (`kill PID`) goes on to them (sigterm.forward)."""
+    processes = workers.processes
+    sigterm.forward(processes)
     try:
-        while not workers.join():
-            pass
-    except torch.multiprocessing.ProcessExitedException as e:  # it has said why
-        raise Preempted() if e.exit_code == Preempted.code else Failed(
-            f"worker {e.error_index} exited with code {e.exit_code}") from None
-    finally:  # Ctrl-C, or a failure
-        [p.terminate() for p in workers.processes if p.is_alive()]
+        alive = processes
+        while alive and not any(p.exitcode for p in processes):
+            connection.wait([p.sentinel for p in alive])  # until one of them ends
+            alive = [p for p in processes if p.is_alive()]
+        failed = next((i for i, p in enumerate(processes) if p.exitcode), None)
+        for seconds, end in ((say_within, "terminate"), (grace, "kill")):
+            deadline = time.monotonic() + seconds
+            [p.join(max(0, deadline - time.monotonic())) for p in processes]
+            [getattr(p, end)() for p in processes if p.is_alive()]
+    finally:  # Ctrl-C
+        [p.terminate() for p in processes if p.is_alive()]
+    if failed is not None:
+        code = processes[failed].exitcode
+        if code < 0:  # killed by a signal (the OOM killer's SIGKILL), it could say nothing
+            say(f"{spawn_place(args, failed).who}error: killed by {signal.Signals(-code).name}")
+        sys.exit(max(code, 1))

@@ -1,19 +1,18 @@
-"""The checkpoint: what it holds, written by one process and read by all, agreed (whether and
-from where the processes resume, together), compared (a checkpoint continues its own run only),
-and the SIGTERM stop that writes one at a step all processes agree on. docs/preemption.md."""
+"""The checkpoint: what it holds, written by one process and read by all, checked (a
+checkpoint continues its own run only, and fits the model), agreed (whether and from where the
+processes resume, together) and restored. docs/preemption.md."""
 import os
 import secrets
-import signal
-import time
+import zlib
 
 import torch
 import torch.distributed as dist
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 import common
-import data
-import machine
 from common import Fatal
+
+from . import machine
 
 
 # ---- The file: written once, atomically; read on the CPU, weights only ------------------
@@ -108,54 +107,65 @@ def differs(dest, then, now):
            f"{now if now is not None else '(not given)'} now"
 
 
-def agreed(args, wish, device, log=print):
-    """The checkpoint every process resumes from, or None, decided by all together: each says
-    what it asks for, which snapshot it sees (nodes may have disks of their own), its node and
-    the run its flags define. They resume if any asks to and any has a snapshot, all from the
-    same one; a process that lacks it (a node that joins with an empty disk, or an older copy) is
-    refused, with every copy left as it was: no process runs other collectives than the rest. A
-    checkpoint of another run, or processes started with different flags, are refused before
-    anything is written (--evaluate: another task's). A resumed --amp auto is the checkpoint's."""
+def check_file(args, task, place):
+    """Before the processes meet (flags.check_args): the checkpoint to resume or evaluate, read by
+    each node's launcher (spawn_ddp.py, dp_baseline.py) or by each process under torchrun (which
+    resumes whenever it finds it), compared with this run, and fitted to the model's shapes on
+    the meta device (no memory, no data). Absent, it is refused on one machine; on several,
+    another node may hold it (`agreed`)."""
+    path = args.checkpoint
+    if not os.path.exists(path):
+        if (args.resume or args.evaluate) and place.nproc == place.world_size:
+            raise Fatal(f"no checkpoint at {path}")
+        return
+    with torch.device("meta"):
+        model = task.make_model(args)
+    ckpt = load(path)
+    check_same_run(args, ckpt, path)
+    load_model_state(model, ckpt["model"], path, assign=True)
+
+
+def agreed(args, wish, place, device, log=print):
+    """The checkpoint every process resumes from, or None, and the job's precision, decided by
+    all together in one gather: each says what it asks for, which snapshot it sees (nodes may
+    have disks of their own), its node, the run its flags define, and whether its device
+    computes bfloat16. They resume if any asks to and any has a snapshot, all from the same one;
+    a process that lacks it (a node that joins with an empty disk, or an older copy) is refused,
+    with every copy left as it was: no process runs other collectives than the rest. Processes
+    started with different flags are refused before anything is written (that the snapshot is
+    this run's, check_file said before they met). --amp auto: machine.settle_precision."""
     path = args.checkpoint
     ckpt = load(path) if wish and path and os.path.exists(path) else None
-    node = int(os.environ.get("GROUP_RANK", getattr(args, "node_rank", 0)))  # torchrun's, spawn's
-    run = data.mix(*sorted(run_flags(args).items()))
-    everyone = [(wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)), node, run)]
+    run = zlib.crc32(repr(sorted(run_flags(args).items())).encode())  # the same flags, one number
+    fast = machine.computes_bf16(device.index if device.type == "cuda" else None)[0] is True
+    everyone = [(wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)),
+                 place.node, run, fast)]
     if dist.is_initialized():  # tensors, not all_gather_object: nothing unpickled from others
         mine = torch.tensor(everyone[0], device=device)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         common.recent.extend([mine, *gathered])
         dist.all_gather(gathered, mine)
-        everyone = [tuple(t.tolist()) for t in gathered]
-    # A refusal is said once per node, by its first process; the others end quietly.
-    says = dist.get_rank() == next(r for r, e in enumerate(everyone) if e[3] == node) \
-        if dist.is_initialized() else True
-    other = [r for r, e in enumerate(everyone) if e[4] != everyone[0][4]]
+        everyone = torch.stack(gathered).tolist()  # one wait for the device
+    other = [str(r) for r, e in enumerate(everyone) if e[4] != everyone[0][4]]
     if other:
-        raise Fatal(f"the processes of rank(s) {', '.join(map(str, other))} were started with "
-                    "other flags than rank 0's; give every node the same command" * says)
-    wish, newest = max(e[0] for e in everyone), max(e[1:3] for e in everyone)
-    if wish == NO_RESUME or (newest == (-1, -1) and wish == RESUME_IF_FOUND):
-        return None
-    if newest == (-1, -1):
+        raise Fatal(f"the processes of rank(s) {', '.join(other)} were started with other flags "
+                    "than rank 0's; give every node the same command")
+    wish, newest = max(e[0] for e in everyone), max(tuple(e[1:3]) for e in everyone)
+    resume = wish == RESUME or (wish == RESUME_IF_FOUND and newest != (-1, -1))
+    if resume and newest == (-1, -1):
         raise Fatal(f"no checkpoint at {path}" + " on any node" * (len(everyone) > 1))
-    behind = [r for r, e in enumerate(everyone) if e[1:3] != newest]
+    behind = [r for r, e in enumerate(everyone) if resume and tuple(e[1:3]) != newest]
     if behind:
-        source = next(r for r, e in enumerate(everyone) if e[1:3] == newest)
+        source = next(r for r, e in enumerate(everyone) if tuple(e[1:3]) == newest)
         nodes = sorted({everyone[r][3] for r in behind})
         raise Fatal(f"rank(s) {', '.join(map(str, behind))} (node(s) {', '.join(map(str, nodes))})"
                     f" lack the copy of {path} that rank {source} resumes from ({newest[0]} "
                     f"epoch(s) + {newest[1]} step(s)): copy it to that node, or use a shared "
-                    "filesystem" * says)
-    try:
-        check_same_run(args, ckpt, path)
-    except Fatal as e:
-        raise Fatal(str(e) * says) from None
-    if args.amp == "auto" and not args.evaluate:  # the precision the run was trained in
-        args.amp = ckpt["args"].get("amp", "none")
-        log(f"precision: {machine.PRECISION[args.amp]}, the precision the checkpoint was "
-            "trained in (--amp auto)")
-        machine.warn_if_slower(args.amp, device.index if device.type == "cuda" else None)
+                    "filesystem")
+    ckpt = ckpt if resume else None
+    lacking = [r for r, e in enumerate(everyone) if not e[5]]
+    resumed = ckpt and ckpt.get("args", {}).get("amp", "none")  # the precision it trained in
+    machine.settle_precision(args, place, device, lacking, resumed, log)
     return ckpt
 
 
@@ -183,76 +193,3 @@ def load_model_state(model, state_dict, path, assign=False):
     except RuntimeError as e:
         detail = " ".join(ln.strip() for ln in str(e).splitlines()[1:3])
         raise Fatal(f"checkpoint {path} does not fit this model: {detail[:300]}") from None
-
-
-def check_file(args, task):
-    """Before any process starts (spawn_ddp.py, dp_baseline.py): the --checkpoint to resume or
-    evaluate is read once, compared with this run, and fitted to the model's shapes (on the meta
-    device: no memory, no data), so that a bad one is one line, not one per process."""
-    with torch.device("meta"):
-        model = task.make_model(args)
-    ckpt = load(args.checkpoint)
-    check_same_run(args, ckpt, args.checkpoint)
-    load_model_state(model, ckpt["model"], args.checkpoint, assign=True)
-
-
-# ---- The SIGTERM stop -----------------------------------------------------------------------
-
-class Preempted(Fatal):
-    """SIGTERM arrived and the run stopped: exit code 143 (128 + 15, what shells report for
-    "terminated"), and the message, if any, on stderr."""
-    code, says = 143, "preempted"
-
-
-AGREE_EVERY = 1.0  # seconds: about how often the processes agree on a stop
-
-
-class StopSignal:
-    """SIGTERM, what SLURM, Kubernetes and torchrun send before they kill a job. Without a
-    checkpoint it stops the process at once, as Ctrl-C does. With one, the handler sets a flag,
-    and the processes add up their flags in one all-reduce on the training backend: before an
-    epoch's first and last steps, and about every AGREE_EVERY seconds between them. All stop
-    at the same step, and the snapshot is one model. The same all-reduce carries each process's
-    seconds per step since the last check; the slowest one sets how many steps the next check
-    is away, the same number in every process. So a stop comes within about a second or a step,
-    whichever is longer, however long steps take (a grace time of 30 s, SLURM's KillWait and
-    torchrun's, must hold that and the write), and fast steps pay one small all-reduce a second."""
-
-    def __init__(self, checkpoint, device, steps, elastic=False):
-        self.received, self.device, self.steps, self.elastic = False, device, steps, elastic
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.agree = checkpoint and dist.is_initialized() and dist.get_world_size() > 1
-        self.next, self.last = 0, None  # the step of the next check; (step, time) of the last
-        signal.signal(signal.SIGTERM, self._received if checkpoint else self._stop_now)
-
-    def _received(self, signum, frame):
-        self.received = True
-
-    def _stop_now(self, signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already: once is enough
-        raise Preempted("stopped on SIGTERM; nothing saved (no --checkpoint)" * (self.rank == 0))
-
-    def __call__(self, step):
-        """Called by every process before every step: True when all are to stop before `step`."""
-        if not self.agree:
-            return self.received
-        first = self.last is None or step <= self.last[0]  # a new epoch (or a resumed one)
-        if not (first or step >= self.next or step == self.steps):
-            return False
-        per_step = 0.0 if first else (time.perf_counter() - self.last[1]) / (step - self.last[0])
-        both = torch.tensor([float(self.received), per_step], device=self.device)
-        common.recent.append(both)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # anyone's flag; the slowest process's pace
-        received, per_step = both.tolist()
-        self.next = step + (max(1, int(AGREE_EVERY / per_step)) if per_step > 0 else 1)
-        self.last = (step, time.perf_counter())
-        return received > 0
-
-    def stopped(self, checkpoint, epoch, step):
-        again = "the same command continues from it (this script resumes by itself)" \
-            if self.elastic else "rerun with --resume to continue"
-        return Preempted(f"stopped on SIGTERM after step {step} of epoch {epoch + 1}; snapshot in "
-                         f"{checkpoint}: {again}" * (self.rank == 0))
-
-    def close(self):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,27 +1,21 @@
 """The command line, defined once so that a flag means the same in every script, and its
 checks: each flag's range in its type=, and what cannot work refused in check_args, in one line
-before anything starts (docs/flags.md). --task's file or module is loaded here too, as the one
-name through which the scripts call the task (`load_task`)."""
+before anything starts (docs/flags.md)."""
 import argparse
-import functools
-import importlib
 import math
 import os
 import shutil
 import socket
-import sys
 import tempfile
-import traceback
-import types
-import warnings
 
 import torch
 import torch.distributed as dist
 
-import checkpoint
 import common
-import machine
 from common import Fatal
+
+from . import checkpoint, launch, machine
+from .task import load_task
 
 
 class Parser(argparse.ArgumentParser):
@@ -131,7 +125,8 @@ def parse_args(description, launcher, argv=None):
     if launcher in ("torchrun", "apex"):
         g = p.add_argument_group(f"launch (torchrun){' and apex' * (launcher == 'apex')}")
         g.add_argument("--local-rank", "--local_rank", type=natural_int, default=0, help="passed "
-                       "by python -m torch.distributed.launch; LOCAL_RANK in the environment wins")
+                       "by python -m torch.distributed.launch, which also sets LOCAL_RANK: the one "
+                       "read")
     if launcher == "apex":
         g.add_argument("--opt-level", choices=["O0", "O1", "O2", "O3"], default="O1", help="apex "
                        "amp opt level; natively O0 is fp32, the others autocast (docs/apex.md)" + d)
@@ -142,161 +137,42 @@ def parse_args(description, launcher, argv=None):
     return args
 
 
-SEAM = ("add_task_flags", "prepare_data", "make_datasets", "collate", "make_model", "loss_fn",
-        "make_optimizer", "make_scheduler", "evaluate_batch", "summarize")  # your-own-task.md
-TASK_CODE = {}  # the loaded task's functions' code: how an error in them is said (`failure`)
-CHECKING = [True]  # until loss_fn's first call returns: a failure in the task is a misfit
-
-
-def load_task(name):
-    """The task the scripts train, as one namespace of the names in SEAM: those of --task (a
-    Python file, or an importable module) where it defines them, common.py's where it does not,
-    and all of common.py's without --task. common.py's own names are never rebound. A task that
-    makes its own datasets prepares none of MNIST's. A file is imported under its own name with
-    its folder on the path, so that processes started by spawn import it by that name too. (A
-    checkpoint names its task only to be compared: no code is ever imported because a file says
-    so, docs/security.md.) The first call of loss_fn is checked (`first_call_checked`)."""
-    module = common
-    if name and (name.endswith(".py") or os.sep in name or "/" in name):
-        if not os.path.isfile(name):
-            raise Fatal(f"--task {name}: no such file")
-        folder, module = os.path.split(os.path.abspath(name)[:-len(".py")])
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-    elif name:
-        module = name
-    if module is not common:
-        try:
-            module = importlib.import_module(module)
-        except Exception as e:  # bad input: said where it is in the task, without our frames
-            raise Fatal(f"--task {name}: {import_error(e, module)}") from None
-    task = types.SimpleNamespace(**{n: getattr(module, n, getattr(common, n)) for n in SEAM})
-    if module is not common and hasattr(module, "make_datasets") \
-            and not hasattr(module, "prepare_data"):
-        task.prepare_data = lambda args: None  # common.py's prepares MNIST
-    TASK_CODE.clear()
-    CHECKING[:] = [True]
-    TASK_CODE.update({f.__code__: n for n, f in vars(task).items() if hasattr(f, "__code__")})
-    task.loss_fn = first_call_checked(task.loss_fn)
-    TASK_CODE[task.loss_fn.__code__] = "loss_fn"
-    return task
-
-
-def import_error(e, module):
-    """Why the task `module` did not import: "no module named ..." where it is not there, else
-    the error, then where it is, as Python shows it: a syntax error's line and caret, or the
-    frames of the task's own files (not importlib's, not ours)."""
-    if isinstance(e, ModuleNotFoundError) and e.name and (
-            module == e.name or module.startswith(e.name + ".")):
-        return f"no module named {e.name}"
-    if isinstance(e, SyntaxError):  # its line, and the caret under it
-        *where, what = traceback.format_exception_only(e)
-        return f"{what.strip()}\n" + "".join(where).rstrip()
-    ours = (os.path.dirname(importlib.__file__), "<frozen", __file__)
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(ours)]
-    return f"{common.reason(e)}\n" + "".join(traceback.format_list(frames)).rstrip()
-
-
-def first_call_checked(loss_fn):
-    """loss_fn, whose first call in a process (the first training step) raises the warnings of
-    its own arithmetic as errors, and refuses a loss that is not one number: a loss whose output
-    and target only broadcast to each other warns, and would train on nonsense. Only loss_fn's:
-    a model's forward may warn of nothing wrong (a library's notices)."""
-    @functools.wraps(loss_fn)
-    def checked(output, target):
-        if not CHECKING:
-            return loss_fn(output, target)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                loss = loss_fn(output, target)
-            if torch.as_tensor(loss).numel() != 1:
-                raise ValueError(f"it returned a tensor of shape {list(loss.shape)}, not one "
-                                 "number")
-        except Exception as e:
-            if torch.is_tensor(output) and torch.is_tensor(target) \
-                    and output.shape != target.shape:
-                try:
-                    torch.broadcast_shapes(output.shape, target.shape)
-                    e.task_note = f"; output {list(output.shape)} and target " \
-                                  f"{list(target.shape)} only broadcast to each other"
-                except RuntimeError:
-                    pass
-            raise
-        CHECKING.clear()
-        return loss
-    return checked
-
-
-def failure(e):
-    """(`error:`'s line and the frames under it, the exit code) for an exception. One raised in
-    the task's code (a function of the task, the model's forward, the dataset): its line and the
-    frames of the task's files alone; up to the first loss (`CHECKING`) the line says "the task
-    does not fit the scripts: PART raised ...", and the code is 2, bad input. Any other: its
-    line, its frames but the first (main's), and code 1."""
-    walked = list(traceback.walk_tb(e.__traceback__))
-    codes = [frame.f_code for frame, _ in walked]
-    files = {code.co_filename for code in TASK_CODE} - {failure.__code__.co_filename}  # less ours
-    helpers = {common.forward.__code__, common.to_device.__code__, common.evaluate.__code__}
-    part = next((f"{TASK_CODE[c]}({', '.join(c.co_varnames[:c.co_argcount])})"
-                 for c in codes if c in TASK_CODE), None)
-    if part is None and common.forward.__code__ in codes:
-        part = "the model's forward"
-    elif part is None and any(c.co_filename.endswith(os.path.join("_utils", "fetch.py"))
-                              for c in codes):  # the DataLoader's fetch, in this process
-        part = "the dataset"
-    if part is None:
-        return f"{common.reason(e)}\n" + "".join(traceback.format_list(
-            traceback.extract_tb(e.__traceback__)[1:])).rstrip(), 1
-    kept = [(f, n) for f, n in walked if f.f_code.co_filename in files
-            and f.f_code not in helpers]
-    line = f"the task does not fit the scripts: {part} raised {common.reason(e)}" \
-        f"{getattr(e, 'task_note', '')} (docs/your-own-task.md)" if CHECKING else common.reason(e)
-    frames = "".join(traceback.StackSummary.extract(kept).format()).rstrip()
-    return f"{line}\n{frames}".rstrip(), 2 if CHECKING else 1
-
-
-def check_args(args, task=None, elastic=False, cuda=None):
-    """Refuse what cannot work, in the launching process before anything starts, and make sure
-    every file this node will write can be written. `task`: the one that --resume's checkpoint
-    must fit. `elastic`: started by torchrun (its environment says who is who); the script then
-    resumes whenever it finds --checkpoint. `cuda`: whether it trains on CUDA (default: where
-    there is a GPU)."""
+def check_args(args, task, place=None, elastic=False, cuda=None):
+    """Refuse what cannot work, before anything starts, and make sure every file this node will
+    write can be written: in the launcher of each node (spawn_ddp.py, dp_baseline.py), or in
+    each process under torchrun (`elastic`: the script then resumes whenever it finds
+    --checkpoint). `task`: the one the checkpoint must fit. `place`: who the process is
+    (default: a launcher, its node's first process). `cuda`: whether it trains on CUDA (default:
+    where there is a GPU)."""
+    if place is None:
+        place = launch.spawn_place(args, 0) if hasattr(args, "nnodes") else launch.Place()
     gpus, dp = torch.cuda.device_count(), args.timeout is None
     cuda = gpus > 0 if cuda is None else cuda
-    nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
-    local = getattr(args, "nproc_per_node", 1)
-    world_size, notes = nnodes * local, True
-    gpu = (getattr(args, "gpus", None) or [0])[0]  # the GPU this process, or its first, uses
-    if elastic:  # torchrun's environment; without one, one process
-        local, world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get(
-            "WORLD_SIZE", 1))
-        node_rank = int(os.environ.get("GROUP_RANK", 0))  # its node 0 holds global rank 0
-        gpu = int(os.environ.get("LOCAL_RANK", args.local_rank))
-        notes = gpu == 0
+    nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)  # spawn's
+    gpu = (getattr(args, "gpus", None) or [place.local_rank])[0]  # its GPU, or its first
     tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
-    if elastic and tasks > 1 and "RANK" not in os.environ:  # srun python torchrun_ddp.py
+    if elastic and tasks > 1 and not place.launched:  # srun python torchrun_ddp.py
         raise Fatal(f"srun started {tasks} tasks of this script without torchrun, and each would "
                     "train alone: run torchrun on each node (srun --ntasks-per-node=1 torchrun "
                     "..., as slurm/torchrun_ddp.sbatch does), or spawn_ddp.py")
-    if gpus and local > gpus:  # two processes on one GPU: NCCL refuses, or they fight
-        raise Fatal(f"--nproc-per-node {local} but this machine has {gpus} GPU(s)")
+    if gpus and place.nproc > gpus:  # two processes on one GPU: NCCL refuses, or they fight
+        raise Fatal(f"--nproc-per-node {place.nproc} but this machine has {gpus} GPU(s)")
     if dp and (args.sync_bn or args.compile):
         raise Fatal(f"--{'sync-bn' if args.sync_bn else 'compile'} needs the DDP scripts "
                     "(spawn_ddp.py): SyncBatchNorm needs a process group, and PyTorch documents "
                     "torch.compile with DDP, not with DataParallel")
     if nnodes > 1 and not (args.master_addr and args.master_port):
         raise Fatal("--nnodes > 1 needs --master-addr (node 0's address) and --master-port")
-    if node_rank >= nnodes and not elastic:
+    if node_rank >= nnodes:
         raise Fatal(f"--node-rank must be in 0..{nnodes - 1}")
     for flag, path in (("--checkpoint", args.checkpoint), ("--metrics", args.metrics)):
         if path and os.path.isdir(path):
             raise Fatal(f"{flag} {path} is a folder; give a file path")
-    if args.batch_size % (world_size * args.accumulate) and not args.evaluate:
+    if args.batch_size % (place.world_size * args.accumulate) and not args.evaluate:
         raise Fatal(f"--batch-size {args.batch_size} is the global batch " + (
-            f"and must divide by the world size {world_size}" if args.batch_size % world_size
-            else f"of one optimizer step and must divide by world size x --accumulate = "
-            f"{world_size} x {args.accumulate}"))
+            f"and must divide by the world size {place.world_size}"
+            if args.batch_size % place.world_size else f"of one optimizer step and must divide "
+            f"by world size x --accumulate = {place.world_size} x {args.accumulate}"))
     if args.stop_after is not None and args.stop_after > args.epochs:
         raise Fatal(f"--stop-after {args.stop_after} is past --epochs {args.epochs}")
     if args.warmup_epochs >= args.epochs:
@@ -314,17 +190,14 @@ def check_args(args, task=None, elastic=False, cuda=None):
                     "g++; install g++ or point CXX to one")  # else a traceback at the first step
     if (args.resume or args.evaluate or args.save_every) and not args.checkpoint:
         raise Fatal("--resume, --evaluate and --save-every need --checkpoint PATH")
-    writes = node_rank == 0 or args.save_on_each_node  # this node writes --checkpoint
+    writes = place.node == 0 or args.save_on_each_node  # this node writes --checkpoint
     if not (args.evaluate or args.resume or elastic) and writes and args.checkpoint \
             and os.path.exists(args.checkpoint):  # (torchrun's resume it, if it is their run's)
         raise Fatal(f"--checkpoint {args.checkpoint} exists: add --resume to continue its run, "
                     "or give another path to start a new one")
-    if (args.evaluate or args.resume) and local == world_size and not os.path.exists(
-            args.checkpoint):  # on one machine it must be here (elsewhere: another node's)
-        raise Fatal(f"no checkpoint at {args.checkpoint}")
-    if (args.evaluate or args.resume) and not elastic and os.path.isfile(args.checkpoint):
-        checkpoint.check_file(args, task)  # once here, not in every process (torchrun's: each)
-    if notes:  # --amp auto: machine.settle_precision decides, once the job has met
+    if args.checkpoint and (args.evaluate or args.resume or elastic):
+        checkpoint.check_file(args, task, place)  # it is this run's, and fits the model
+    if place.first_on_node:  # --amp auto: decided once the job has met (checkpoint.agreed)
         machine.warn_if_slower(args.amp, gpu if cuda else None)
     if getattr(args, "master_port", None) and node_rank == 0:  # node 0 hosts the store there
         with socket.socket() as s:  # SO_REUSEADDR, as the store: a run that just ended (its
@@ -335,14 +208,14 @@ def check_args(args, task=None, elastic=False, cuda=None):
             except OSError:
                 raise Fatal(f"port {args.master_port} is already in use on this machine; choose "
                             "another --master-port") from None
-    outputs = [("--metrics", args.metrics)] if node_rank == 0 else []
+    outputs = [("--metrics", args.metrics)] if place.node == 0 else []
     if not args.evaluate and writes:
         outputs.append(("--checkpoint", args.checkpoint))
     for flag, path in [(f, p) for f, p in outputs if p]:  # created (and said) or refused now
         folder = os.path.dirname(os.path.abspath(path))
         try:
             os.makedirs(folder)
-            if notes:
+            if place.first_on_node:
                 print(f"created folder {folder} for {flag}", flush=True)
         except FileExistsError:
             pass
