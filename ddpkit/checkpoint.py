@@ -49,8 +49,6 @@ def load(path):
     machine share its pages); weights_only, as unpickling arbitrary objects could run code."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except FileNotFoundError:
-        raise Fatal(f"no checkpoint at {path}") from None
     except Exception as e:
         raise Fatal(f"checkpoint {path} is corrupt or truncated ({common.reason(e)[:200]})") \
             from None
@@ -108,11 +106,9 @@ def differs(dest, then, now):
 
 
 def check_file(args, task, place):
-    """Before the processes meet (flags.check_args): the checkpoint to resume or evaluate, read by
-    each node's launcher (spawn_ddp.py, dp_baseline.py) or by each process under torchrun (which
-    resumes whenever it finds it), compared with this run, and fitted to the model's shapes on
-    the meta device (no memory, no data). Absent, it is refused on one machine; on several,
-    another node may hold it (`agreed`)."""
+    """Before the processes meet (flags.check_args), the checkpoint to resume or evaluate is read,
+    compared with this run and fitted to the model's shapes on the meta device (no memory, no
+    data). Absent, it is refused on one machine; on several, another node may hold it."""
     path = args.checkpoint
     if not os.path.exists(path):
         if (args.resume or args.evaluate) and place.nproc == place.world_size:
@@ -131,9 +127,7 @@ def agreed(args, wish, place, device, log=print):
     have disks of their own), its node, the run its flags define, and whether its device
     computes bfloat16. They resume if any asks to and any has a snapshot, all from the same one;
     a process that lacks it (a node that joins with an empty disk, or an older copy) is refused,
-    with every copy left as it was: no process runs other collectives than the rest. Processes
-    started with different flags are refused before anything is written (that the snapshot is
-    this run's, check_file said before they met). --amp auto: machine.settle_precision."""
+    every copy left as it was: no process runs other collectives than the rest."""
     path = args.checkpoint
     ckpt = load(path) if wish and path and os.path.exists(path) else None
     run = zlib.crc32(repr(sorted(run_flags(args).items())).encode())  # the same flags, one number

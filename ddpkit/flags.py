@@ -138,12 +138,10 @@ def parse_args(description, launcher, argv=None):
 
 
 def check_args(args, task, place=None, elastic=False, cuda=None):
-    """Refuse what cannot work, before anything starts, and make sure every file this node will
-    write can be written: in the launcher of each node (spawn_ddp.py, dp_baseline.py), or in
-    each process under torchrun (`elastic`: the script then resumes whenever it finds
-    --checkpoint). `task`: the one the checkpoint must fit. `place`: who the process is
-    (default: a launcher, its node's first process). `cuda`: whether it trains on CUDA (default:
-    where there is a GPU)."""
+    """Refuse what cannot work before anything starts, and make sure every file this node will
+    write can be written: in each node's launcher (`place`: its first process), or in each
+    process under torchrun (`elastic`: it resumes whenever it finds --checkpoint). `task`: the
+    one the checkpoint must fit. `cuda`: whether it trains on CUDA (default: with a GPU)."""
     if place is None:
         place = launch.spawn_place(args, 0) if hasattr(args, "nnodes") else launch.Place()
     gpus, dp = torch.cuda.device_count(), args.timeout is None
@@ -151,7 +149,7 @@ def check_args(args, task, place=None, elastic=False, cuda=None):
     nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)  # spawn's
     gpu = (getattr(args, "gpus", None) or [place.local_rank])[0]  # its GPU, or its first
     tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
-    if elastic and tasks > 1 and not place.launched:  # srun python torchrun_ddp.py
+    if elastic and tasks > 1 and not place.who:  # srun python torchrun_ddp.py: no launcher
         raise Fatal(f"srun started {tasks} tasks of this script without torchrun, and each would "
                     "train alone: run torchrun on each node (srun --ntasks-per-node=1 torchrun "
                     "..., as slurm/torchrun_ddp.sbatch does), or spawn_ddp.py")
@@ -197,7 +195,7 @@ def check_args(args, task, place=None, elastic=False, cuda=None):
                     "or give another path to start a new one")
     if args.checkpoint and (args.evaluate or args.resume or elastic):
         checkpoint.check_file(args, task, place)  # it is this run's, and fits the model
-    if place.first_on_node:  # --amp auto: decided once the job has met (checkpoint.agreed)
+    if place.local_rank == 0:  # --amp auto: decided once the job has met (checkpoint.agreed)
         machine.warn_if_slower(args.amp, gpu if cuda else None)
     if getattr(args, "master_port", None) and node_rank == 0:  # node 0 hosts the store there
         with socket.socket() as s:  # SO_REUSEADDR, as the store: a run that just ended (its
@@ -215,7 +213,7 @@ def check_args(args, task, place=None, elastic=False, cuda=None):
         folder = os.path.dirname(os.path.abspath(path))
         try:
             os.makedirs(folder)
-            if place.first_on_node:
+            if place.local_rank == 0:
                 print(f"created folder {folder} for {flag}", flush=True)
         except FileExistsError:
             pass

@@ -23,36 +23,22 @@ from .task import failure
 
 
 class Place(NamedTuple):
-    """Who a process is in its job: its rank of world_size, its local_rank of the nproc
-    processes on its machine, and that machine's index, its node. Worked out once, from what its
-    launcher gives (spawn_place, torchrun_place; without a launcher: one process), and passed
-    down. `launched`: started by a launcher, so that its lines name its rank."""
+    """Who a process is in its job: its rank of world_size, its local_rank of the nproc on its
+    machine, and that machine's index. Worked out once, from what its launcher gives."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     nproc: int = 1
     node: int = 0
-    launched: bool = False
-
-    @property
-    def nnodes(self):
-        return self.world_size // self.nproc
-
-    @property
-    def first_on_node(self):
-        return self.local_rank == 0
-
-    @property
-    def who(self):
-        return f"[rank {self.rank}] " if self.launched else ""
+    who: str = ""  # before each line it says: "[rank N] " where a launcher started it
 
 
 def spawn_place(args, local_rank):
     """spawn_ddp.py's processes: --nproc-per-node on each of --nnodes machines, numbered node
     by node (global rank = node_rank x nproc_per_node + local_rank)."""
     nproc = args.nproc_per_node
-    return Place(args.node_rank * nproc + local_rank, args.nnodes * nproc, local_rank, nproc,
-                 args.node_rank, True)
+    rank = args.node_rank * nproc + local_rank
+    return Place(rank, args.nnodes * nproc, local_rank, nproc, args.node_rank, f"[rank {rank}] ")
 
 
 def torchrun_place():
@@ -65,7 +51,7 @@ def torchrun_place():
         return Place()
     rank, nproc = int(env["RANK"]), int(env.get("LOCAL_WORLD_SIZE", 1))
     return Place(rank, int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), nproc,
-                 int(env.get("GROUP_RANK", rank // nproc)), True)
+                 int(env.get("GROUP_RANK", rank // nproc)), f"[rank {rank}] ")
 
 
 # ---- How a process ends: one line, never a traceback ------------------------------------
@@ -76,19 +62,17 @@ GLOO_LOST_PEER = ("/gloo/", "Application timeout caused pair closure", "Wait tim
 
 @contextlib.contextmanager
 def clean_exit(place=Place()):
-    """Every ending as one line on stderr, led by the process's rank where it has one: exit code
-    2 for bad input, 1 for a lost peer or an error in the code (a bug in the task, CUDA out of
-    memory), whose frames follow its line, 130 for Ctrl-C, 143 after a SIGTERM. Bad input is
-    refused alike by every process of a node (the same flags, files and devices), and said by
-    its first process alone. A process that leaves on an error of its own leaves its process
-    group first (`leave_group`), so that the others fail at once instead of waiting out
-    --timeout. The exit comes outside the `except`, once the failed frames are released."""
+    """Every ending as one line on stderr, after the process's rank: exit code 2 for bad input
+    (refused alike by every process of a node, said by its first alone), 1 for a lost peer or an
+    error in the code (a bug in the task, CUDA out of memory; its frames follow), 130 for Ctrl-C,
+    143 after a SIGTERM. A process that leaves on an error of its own leaves its process group
+    first (`leave_group`), so that the others fail at once instead of waiting out --timeout."""
     try:
         yield
         return
     except Fatal as e:  # bad input, a SIGTERM (sigterm.Preempted)
         line, code = str(e) and f"{e.says}: {e}", e.code
-        if code == Fatal.code and not place.first_on_node:
+        if code == Fatal.code and place.local_rank != 0:
             line = ""  # its node's first process says it
     except KeyboardInterrupt:
         line, code = "interrupted", 130
@@ -105,7 +89,7 @@ def clean_exit(place=Place()):
     if line:
         say(place.who + line)
     leave_group()
-    sys.exit(code)
+    sys.exit(code)  # outside the except: the failed frames are released first
 
 
 def leave_group():

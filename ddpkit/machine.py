@@ -82,7 +82,7 @@ def settle_precision(args, place, device, lacking, resumed=None, log=print):
         args.amp = resumed
         log(f"precision: {PRECISION[args.amp]}, the precision the checkpoint was trained in "
             "(--amp auto)")
-        if place.first_on_node:
+        if place.local_rank == 0:
             warn_if_slower(args.amp, gpu)
         return
     fast, why = computes_bf16(gpu)

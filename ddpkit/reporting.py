@@ -14,7 +14,8 @@ class Reporter:
     def __init__(self, args, place, device):
         self.on, self.args, self.world_size = place.rank == 0, args, place.world_size
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        self.log(f"{place.world_size} processes ({place.nnodes} node(s) x {place.nproc})"
+        nodes = place.world_size // place.nproc
+        self.log(f"{place.world_size} processes ({nodes} node(s) x {place.nproc})"
                  f"{f', backend {dist.get_backend()}' if dist.is_initialized() else ''}, device "
                  f"{device.type}, {torch.get_num_threads()} thread(s) each"
                  f"{f', restart {restart} (TORCHELASTIC_RESTART_COUNT)' if restart else ''}")

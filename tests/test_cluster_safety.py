@@ -294,7 +294,7 @@ def meet_in_threads(store, ranks, join_timeout=5.0, kinds=None):
 
     def one(rank):
         try:
-            out[rank] = launch.meet(store, launch.Place(rank, 2, 0, 1, rank, True), args,
+            out[rank] = launch.meet(store, launch.Place(rank, 2, 0, 1, rank), args,
                                     (kinds or {}).get(rank, "gloo on cpu"))
         except Exception as e:
             out[rank] = e

@@ -30,39 +30,41 @@ def never_interrupted(straight):
     return load(straight(2, 64, 2) / "c.pt")
 
 
-def launch(cmds, folders, ok=True):
+def launch(cmds, folders, codes=(0, 0)):
+    """Runs each node's command in its folder: their outputs, once each ended with `codes`."""
     procs = [subprocess.Popen(cmd, cwd=f, env=script_env(OMP_NUM_THREADS=1), text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               start_new_session=True)
              for cmd, f in zip(cmds, folders)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0] if ok else 0 not in codes, "\n".join(outs)
+    assert tuple(p.returncode for p in procs) == codes, "\n".join(outs)
     return outs
 
 
-def torchrun_nodes(tiny_mnist, folders, *extra, ok=True):
+def torchrun_nodes(tiny_mnist, folders, *extra, codes=(0, 0)):
     port, job = free_port(), uuid.uuid4().hex[:8]
     return launch([[sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                     "--nproc-per-node=1", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
                     str(ROOT / "torchrun_ddp.py"), "--data-dir", str(tiny_mnist),
-                    *map(str, ARGS), *map(str, extra)] for _ in folders], folders, ok)
+                    *map(str, ARGS), *map(str, extra)] for _ in folders], folders, codes)
 
 
-def spawn_nodes(tiny_mnist, folders, *extra, resume_on=(), nproc=1, ok=True):
+def spawn_nodes(tiny_mnist, folders, *extra, resume_on=(), nproc=1, codes=(0, 0)):
     port = free_port()
     return launch([[sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),
                     "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", str(nproc),
                     "--master-addr", "127.0.0.1", "--master-port", str(port), *map(str, ARGS),
                     *map(str, extra), *(["--resume"] if n in resume_on else [])]
-                   for n in range(len(folders))], folders, ok)
+                   for n in range(len(folders))], folders, codes)
 
 
-def refused(outs, line, kept):
-    """Each node's output holds `line` once and no training; `kept` ({path: bytes}) is intact."""
+def refused(outs, line, kept, alone=False):
+    """Each node's output holds `line` once (`alone`: and no other error line, nor torch's
+    "Terminating process") and no training; `kept` ({path: bytes}) is intact."""
     for out in outs:
         assert sum(line in ln for ln in out.splitlines()) == 1, out
+        assert not alone or ("Terminating" not in out and out.count("error:") == 1), out
         assert "loaded" not in out and " step " not in out, out
     assert all(path.read_bytes() == before for path, before in kept.items())
 
@@ -90,7 +92,7 @@ def test_torchrun_node_without_the_checkpoint_is_refused_until_it_has_a_copy(
     folders = first_epoch(tmp_path)
     copy = folders[0] / "ckpt" / "c.pt"
     (folders[1] / "ckpt" / "c.pt").unlink()  # node 1's disk lost it
-    outs = torchrun_nodes(tiny_mnist, folders, ok=False)
+    outs = torchrun_nodes(tiny_mnist, folders, codes=(1, 1))  # torchrun's, after its summary
     refused(outs, REFUSED.format(1, 1, 0), {copy: copy.read_bytes()})
     shutil.copy(copy, folders[1] / "ckpt" / "c.pt")  # what the line asks for
     outs = torchrun_nodes(tiny_mnist, folders)
@@ -104,10 +106,21 @@ def test_torchrun_node_without_the_checkpoint_is_refused_until_it_has_a_copy(
 def test_spawn_node_without_the_checkpoint_is_refused_in_one_line_per_node(
         tiny_mnist, tmp_path, first_epoch):
     """As slurm/spawn_ddp.sbatch runs it: --resume on the node that finds the file only, now
-    with 2 processes a node. Node 0 (rank 0's) lost its copy; each node says so once."""
+    with 2 processes a node. Node 0 (rank 0's) lost its copy; each node says so once, from its
+    first process, and its launcher exits 2 (bad input), adding nothing."""
     folders = first_epoch(tmp_path)
     (folders[0] / "ckpt" / "c.pt").unlink()
     copy = folders[1] / "ckpt" / "c.pt"
-    outs = spawn_nodes(tiny_mnist, folders, resume_on=[1], nproc=2, ok=False)
-    refused(outs, REFUSED.format("0, 1", 0, 2), {copy: copy.read_bytes()})
+    outs = spawn_nodes(tiny_mnist, folders, resume_on=[1], nproc=2, codes=(2, 2))
+    refused(outs, REFUSED.format("0, 1", 0, 2), {copy: copy.read_bytes()}, alone=True)
     assert not (folders[0] / "ckpt" / "c.pt").exists()
+
+
+def test_a_resume_with_no_checkpoint_on_any_node_is_one_line_per_node(tiny_mnist, tmp_path):
+    """Two spawn_ddp.py nodes of 2 processes each, --resume, and no checkpoint anywhere: one
+    line per node, exit code 2 from each launcher (it was one line per process, torch's
+    "Terminating process" notice and a launcher line of its own, exit code 1)."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    [f.mkdir() for f in folders]
+    outs = spawn_nodes(tiny_mnist, folders, resume_on=[0, 1], nproc=2, codes=(2, 2))
+    refused(outs, "error: no checkpoint at ckpt/c.pt on any node", {}, alone=True)

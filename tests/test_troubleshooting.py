@@ -137,7 +137,7 @@ def test_a_skipped_collective_waits_for_the_timeout(tiny_mnist):
                   script_env(DDP_TEST_SKIP_REDUCE="1:1"), timeout=120)
     t_skip, _ = run.first(r"test instrumentation: rank 1 skips reduce_tensor call 1")
     t_error, line = run.first(r"\[rank [01]\] error: distributed: ")
-    assert re.search(GLOO_TIMEOUT, line), line
+    assert re.search(GLOO_TIMEOUT, line), run.text
     assert 4.5 < t_error - t_skip < 60, run.text
     _, line = run.first(r"\[rank 0\] error: distributed: ")
     assert re.search(rf"{GLOO_TIMEOUT}|Connection closed by peer", line), line
