@@ -133,7 +133,7 @@ def train(place, args, why):
     # the whole backward pass.
     ddp = ApexDDP(model, delay_allreduce=True)
 
-    def save(epoch, step):  # the plain model's state: no "module." prefix
+    def save(epoch, step):  # by one writer; the plain model's state: no "module." prefix
         if args.checkpoint and (place.local_rank if args.save_on_each_node else rank) == 0:
             state = checkpoint.state(model, optimizer, scheduler, scaler, epoch, step, args)
             state["amp"] = amp.state_dict()  # the loss scale (native: the scaler's state)

@@ -1,6 +1,6 @@
 """What the four scripts share: first the task, the part to replace for your own model and
 data (docs/your-own-task.md; MNIST is the default), then the few helpers the scripts share. The
-machinery is in a module per concern (docs/maintainers.md), which the lesson never needs to open."""
+machinery is in ddpkit/, a module per concern (docs/maintainers.md): the lesson never opens it."""
 import collections
 import itertools
 import math
@@ -252,7 +252,7 @@ def reduce_tensor(t):
 
 @torch.no_grad()
 def evaluate(model, loader, device, task=None, batches=None):
-    """The task's metrics (`task`: the scripts' flags.load_task; default: this file's) over the
+    """The task's metrics (`task`: the scripts' load_task; default: this file's) over the
     test set, or its first `batches` batches, each sample counted once: evaluate_batch's sums
     over this process's shard (the scripts give it every world_size-th sample, unpadded), then
     over all processes. Pass the plain model: a DDP wrapper's forward may sync buffers."""

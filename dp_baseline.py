@@ -56,7 +56,7 @@ def train(place, args):
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     net = nn.DataParallel(machine.Autocast(model, amp), args.gpus) if cuda else model  # replicas
 
-    def save(epoch, step):  # the plain model's state: no "module." prefix
+    def save(epoch, step):  # by one writer; the plain model's state: no "module." prefix
         if args.checkpoint:
             checkpoint.save(checkpoint.state(
                 model, optimizer, scheduler, scaler, epoch, step, args), args.checkpoint)

@@ -84,7 +84,7 @@ def train(place, args):
     ddp = DDP(model, device_ids=[place.local_rank] if cuda else None)  # backward averages gradients
     net = torch.compile(ddp) if args.compile else ddp  # compiled after the wrap, as documented
 
-    def save(epoch, step):  # the plain model's state: no "module." prefix
+    def save(epoch, step):  # by one writer; the plain model's state: no "module." prefix
         if args.checkpoint and (place.local_rank if args.save_on_each_node else rank) == 0:
             checkpoint.save(checkpoint.state(
                 model, optimizer, scheduler, scaler, epoch, step, args), args.checkpoint)

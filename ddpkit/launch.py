@@ -159,17 +159,14 @@ def backend(device):
 
 def meet(store, place, args, kind):
     """Every process checks in and waits for all, in a round that rank 0 opens under a new token:
-    torchrun's agent keeps its store from round to round (pytorch/pytorch#167288), so the last
-    round's keys are still there, and TORCHELASTIC_RESTART_COUNT, which counts per node, cannot
-    tell the rounds apart (a replaced node starts at 0). A token whose round is over is an
-    earlier round's, and so is one whose round never formed: the process looks again until rank
-    0's new one is there. --join-timeout bounds the wait for one that never comes, and names it.
-    Rank 0 then compares what each would train on (`kind`): a node whose processes would use
-    another backend (a GPU not seen: gloo on the CPU beside NCCL) is refused. Returns the store
-    under the round's prefix, waiting --timeout: init_process_group keeps the timeout of a store
-    it is given (only its init_method path sets it), and NCCL fetches its unique id through
-    that store inside the call, where a node still preparing its data would otherwise fail the
-    start-up."""
+    torchrun's agent keeps its store from round to round (pytorch/pytorch#167288) and
+    TORCHELASTIC_RESTART_COUNT counts per node (a replaced node starts at 0), so a token whose
+    round is over, or never formed, is an earlier round's: the process looks again until rank
+    0's new one is there. --join-timeout bounds that wait, and names who never came. Rank 0
+    refuses a node whose processes would use another backend (a GPU not seen: gloo beside
+    NCCL). Returns the store under the round's prefix, waiting --timeout: init_process_group
+    keeps a given store's timeout (only its init_method path sets one), and NCCL fetches its
+    unique id through it inside the call, while a node may still be preparing its data."""
     rank, world_size, mine = place.rank, place.world_size, f"{place.node} {kind}"
     store.set_timeout(timedelta(seconds=args.join_timeout))
     deadline, token = time.monotonic() + args.join_timeout, None
