@@ -39,7 +39,7 @@ import common
 from ddpkit import flags, launch, machine
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = ("dp_baseline", "spawn_ddp", "torchrun_ddp", "apex_ddp")
+SCRIPTS = ("dp_baseline", "spawn_ddp", "torchrun_ddp", "apex_ddp", "torchrun_fsdp")
 ENV = "+env"  # the row label of a run with the --with-env variables
 BOTH = {"off": [False], "on": [True], "both": [False, True], "default": [None]}
 
@@ -57,8 +57,9 @@ def command(script, world_size, v):
                 *precision]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={world_size}"]
-    if script == "torchrun_ddp":
-        return [*torchrun, f"{repo}/torchrun_ddp.py", *precision]
+    if script in ("torchrun_ddp", "torchrun_fsdp"):  # (FSDP: an --against of older scripts
+        found = Path(repo, f"{script}.py").exists()  # may not have it)
+        return [*torchrun, f"{repo}/{script}.py", *precision] if found else None
     # apex_ddp.py picks precision by --opt-level: O0 is fp32; natively O1 is fp16 on GPUs, bf16
     # on a CPU with bf16 instructions and fp32 on other CPUs
     native_o1 = ("fp16" if torch.cuda.is_available() else
@@ -80,7 +81,7 @@ def run_once(cmd, threads, args, seed, v):
         full += {True: ["--channels-last"], False: ["--no-channels-last"], None: []}[layout]
         full += ["--compile"] * v["compile"]
         full += ["--workers", str(v["workers"])] if v["workers"] is not None else []
-        full += ["--checkpoint", f"{tmp}/c.pt"] if v["checkpoint"] else []
+        full += ["--checkpoint", f"{tmp}/c"] if v["checkpoint"] else []  # a file, or FSDP's folder
         env = dict(os.environ, **v["env"], OMP_NUM_THREADS=str(threads))  # alike for all
         start = time.perf_counter()
         p = subprocess.run(full, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -204,7 +205,7 @@ def parse_args():
     p.add_argument("--workers", nargs="+", type=flags.natural_int, help="--workers of the "
                    "scripts; several values run side by side (default: the scripts' own)")
     p.add_argument("--checkpoint", choices=["off", "on", "both"], default="off",
-                   help="run with --checkpoint (a file in a temporary folder), which also turns "
+                   help="run with --checkpoint (in a temporary folder), which also turns "
                    "on the SIGTERM agreement (about once a second): off, on, or both side by side "
                    "(default: off)")
     p.add_argument("--against", metavar="DIR", help="also run every configuration with the "

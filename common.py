@@ -181,6 +181,12 @@ def peak_lr(args):
     return args.lr * {"sqrt": math.sqrt(k), "linear": k, "none": 1.0}[args.lr_scaling]
 
 
+def fsdp_units(model):
+    """torchrun_fsdp.py's units, each sharded on its own before the whole model: here each child
+    of the model that holds weights (docs/fsdp.md)."""
+    return [m for m in model.children() if any(True for _ in m.parameters())]
+
+
 class Net(nn.Module):
     """Two conv blocks with BatchNorm (so --sync-bn means something) and a small head."""
 
@@ -271,6 +277,12 @@ def evaluate(model, loader, device, task=None, batches=None):
         batch_sums = task.evaluate_batch(output, target.to(device, non_blocking=True))
         for name, value in batch_sums.items():
             sums[name] = sums.get(name, 0) + torch.as_tensor(value, device=device).double()
+    # A sharded model's forward is a collective (torchrun_fsdp.py): every process runs as many
+    # as rank 0, whose shard is the longest, the extra ones on its last batch, not counted.
+    most = math.ceil(math.ceil(len(loader.dataset) / world_size) / loader.batch_size) \
+        if loader.batch_size else len(loader)
+    for _ in range(min(most, batches or most) - min(len(loader), batches or most)):
+        forward(model, to_device(inputs, device))
     names = sorted(sums)  # the same order in every process
     totals = torch.stack([sums[n] for n in names])
     recent.append(totals)

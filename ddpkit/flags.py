@@ -57,7 +57,7 @@ def gpu_ids(text):
 
 def parse_args(description, launcher, argv=None):
     """The flags of every script (docs/flags.md), those of `launcher` ("dp": one process;
-    "spawn"; "torchrun"; "apex"), then the task's (common.add_task_flags, once --task, read
+    "spawn"; "torchrun"; "fsdp"; "apex"), then the task's (common.add_task_flags, once --task, read
     first, has been loaded), from `argv` (default: the command line)."""
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--task")
@@ -122,7 +122,7 @@ def parse_args(description, launcher, argv=None):
         g("--master-addr", help="node 0's address, reachable from every node")
         g("--master-port", type=ranged(int, lambda v: 0 < v < 65536, "a port number 1-65535"),
           help="a free port on node 0 (one machine without it: a private file, no port)")
-    if launcher in ("torchrun", "apex"):
+    if launcher in ("torchrun", "fsdp", "apex"):
         g = p.add_argument_group(f"launch (torchrun){' and apex' * (launcher == 'apex')}")
         g.add_argument("--local-rank", "--local_rank", type=natural_int, default=0, help="passed "
                        "by python -m torch.distributed.launch, which also sets LOCAL_RANK: the one "
@@ -137,11 +137,12 @@ def parse_args(description, launcher, argv=None):
     return args
 
 
-def check_args(args, task, place=None, elastic=False, cuda=None):
+def check_args(args, task, place=None, elastic=False, cuda=None, sharded=False):
     """Refuse what cannot work before anything starts, and make sure every file this node will
     write can be written: in each node's launcher (`place`: its first process), or in each
     process under torchrun (`elastic`: it resumes whenever it finds --checkpoint). `task`: the
-    one the checkpoint must fit. `cuda`: whether it trains on CUDA (default: with a GPU)."""
+    one the checkpoint must fit. `cuda`: whether it trains on CUDA (default: with a GPU).
+    `sharded`: torchrun_fsdp.py's, whose checkpoint is a folder."""
     if place is None:
         place = launch.spawn_place(args, 0) if hasattr(args, "nnodes") else launch.Place()
     gpus, dp = torch.cuda.device_count(), args.timeout is None
@@ -163,9 +164,17 @@ def check_args(args, task, place=None, elastic=False, cuda=None):
         raise Fatal("--nnodes > 1 needs --master-addr (node 0's address) and --master-port")
     if node_rank >= nnodes:
         raise Fatal(f"--node-rank must be in 0..{nnodes - 1}")
-    for flag, path in (("--checkpoint", args.checkpoint), ("--metrics", args.metrics)):
-        if path and os.path.isdir(path):
-            raise Fatal(f"{flag} {path} is a folder; give a file path")
+    if sharded and torch.torch_version.TorchVersion(torch.__version__) < (2, 6 if cuda else 7):
+        raise Fatal(f"torchrun_fsdp.py needs torch {'2.6' if cuda else '2.7'} or later (FSDP2 "
+                    f"{'on CUDA' if cuda else 'on a CPU'}); this is torch {torch.__version__}")
+    if sharded and args.save_on_each_node:
+        raise Fatal("--save-on-each-node: torchrun_fsdp.py's checkpoint is one folder that all "
+                    "processes write their shards to, on a filesystem every node shares")
+    for flag, path, folder in (("--checkpoint", args.checkpoint, sharded),
+                               ("--metrics", args.metrics, False)):
+        if path and os.path.exists(path) and os.path.isdir(path) != folder:
+            kinds = ("file", "folder") if folder else ("folder", "file")
+            raise Fatal(f"{flag} {path} is a {kinds[0]}; give a {kinds[1]} path")
     if args.batch_size % (place.world_size * args.accumulate) and not args.evaluate:
         raise Fatal(f"--batch-size {args.batch_size} is the global batch " + (
             f"and must divide by the world size {place.world_size}"

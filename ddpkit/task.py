@@ -15,7 +15,8 @@ import common
 from common import Fatal
 
 SEAM = ("add_task_flags", "prepare_data", "make_datasets", "collate", "make_model", "loss_fn",
-        "make_optimizer", "make_scheduler", "evaluate_batch", "summarize")  # your-own-task.md
+        "make_optimizer", "make_scheduler", "evaluate_batch", "summarize",
+        "fsdp_units")  # docs/your-own-task.md
 TASK_CODE = {}  # the loaded task's functions' code: how an error in them is said (`failure`)
 CHECKING = [True]  # until loss_fn's first call returns: a failure in the task is a misfit
 

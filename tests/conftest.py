@@ -7,6 +7,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -202,7 +203,20 @@ def free_port():
 
 
 def load(path):
-    return torch.load(path, weights_only=True)
+    """A checkpoint file; or torchrun_fsdp.py's folder, as torch's converter makes it a file
+    (dcp_to_torch), with its run.json, and the optimizer's state numbered by parameter as a
+    plain optimizer's is, where DCP names it: the file form's checkpoint."""
+    if not Path(path).is_dir():
+        return torch.load(path, weights_only=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils",
+                        "dcp_to_torch", str(path), f"{tmp}/plain.pt"], check=True,
+                       capture_output=True)
+        ckpt = torch.load(f"{tmp}/plain.pt", weights_only=True)
+    names = [name for group in ckpt["optimizer"]["param_groups"] for name in group["params"]]
+    ckpt["optimizer"]["state"] = {names.index(k): v for k, v in
+                                  ckpt["optimizer"]["state"].items()}
+    return {**json.loads((Path(path) / "run.json").read_text()), **ckpt}
 
 
 def assert_same_training_state(a, b):
@@ -315,3 +329,18 @@ def optimizer_steps(ckpt):
     steps = {int(s["step"]) for s in ckpt["optimizer"]["state"].values()}
     assert len(steps) == 1, steps
     return steps.pop()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of 1.5 MB: room for one checkpoint of this model (about 1 MB) but not two."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(mount)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

@@ -21,7 +21,7 @@ import torch
 from conftest import N_TEST, N_TRAIN, ROOT, make_tiny_mnist, run_mains, run_script, \
     script_env, wait_for, write_idx
 
-SCRIPTS = ("dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py")
+SCRIPTS = ("dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py", "torchrun_fsdp.py")
 DDP = SCRIPTS[1:]
 TORCHRUN_RANK_0_OF_2 = {"RANK": "0", "WORLD_SIZE": "2"}  # what torchrun tells the first of 2
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
@@ -297,21 +297,6 @@ def test_malformed_data_fails_with_the_file_named(tiny_mnist, tmp_path, launch):
 
 
 # ---- a full disk, or a disk that turns read-only, never costs the last good snapshot --------
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A tmpfs of 1.5 MB: room for one checkpoint of this model (about 1 MB) but not two."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(mount)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-
 
 SAVE_ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 100)
 # 19 steps per epoch: snapshots at steps 6, 12, 18

@@ -7,9 +7,11 @@ import importlib.util
 import re
 import sys
 
+import pytest
 import torch
 
 from conftest import N_TEST, ROOT, load, read_records, run_script
+from test_readme import changed_lines
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 LINE = re.compile(r"epoch (\d+) train_loss ([\d.]+) test_acc ([\d.]+) correct (\d+) total (\d+)$")
@@ -95,8 +97,32 @@ def test_ddp_without_torchrun_says_how_to_start_it(tmp_path):
 def test_the_lesson_imports_nothing_of_the_repository():
     """torch, torchvision and the standard library only: every collective the lesson runs, its
     model, data, loss and its checkpoint's write are in the lesson."""
-    for name in ("one_process.py", "ddp.py"):
+    for name in ("one_process.py", "ddp.py", "fsdp.py"):
         text = (ROOT / "lesson" / name).read_text()
         imports = re.findall(r"^(?:import|from) (\w+)", text, re.M)
-        assert set(imports) <= {"argparse", "os", "sys", "torch", "torchvision"}, (name, imports)
+        assert set(imports) <= {"argparse", "math", "os", "sys", "torch", "torchvision"}, \
+            (name, imports)
         assert "sys.path" not in text, name
+
+
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 7),
+                    reason="FSDP2 on a CPU needs torch 2.7")
+def test_fsdp_chapter_evaluates_evenly_and_says_what_it_saved(tiny_mnist, tmp_path):
+    """lesson/fsdp.py, at most 160 lines and 60 changed from lesson/ddp.py, at 2 processes and
+    --batch-size 100: rank 0 has 2 test batches (50 and 1 of the 101 samples), rank 1 one, and
+    both run 2 forwards (each one a collective: otherwise rank 0 waits for its peer until the
+    timeout). Rank 0 writes the whole model, which the plain Net loads strictly, and the
+    printed counts are that model's on the whole test set, evaluated here in one process."""
+    text = (ROOT / "lesson" / "fsdp.py").read_text()
+    assert len(text.splitlines()) <= 160 and changed_lines("lesson/ddp.py", "lesson/fsdp.py") <= 60
+    r = run_script("lesson/fsdp.py", "--data-dir", tiny_mnist, "--batch-size", 100,
+                   "--checkpoint", tmp_path / "c.pt", launcher=TORCHRUN, timeout=120,
+                   OMP_NUM_THREADS=1)
+    [(_, _, _, correct, total)] = epochs(r.stdout)
+    module = lesson()
+    images, labels = module.mnist(tiny_mnist, train=False).tensors
+    model = module.Net()
+    model.load_state_dict(load(tmp_path / "c.pt")["model"])  # strict: the plain model's keys
+    with torch.no_grad():
+        right = int((model.eval()(images).argmax(1) == labels).sum())
+    assert (int(correct), int(total)) == (right, N_TEST) and 0 < right, r.stdout

@@ -26,11 +26,13 @@ ARGS = ("--batch-size", 32, "--epochs", 2, "--log-interval", 1)  # 19 steps per 
 RUNS = {  # script: (launcher, extra flags)
     "spawn_ddp.py": ((), ["--nproc-per-node", 2, "--timeout", 30]),
     "torchrun_ddp.py": (TORCHRUN, ["--timeout", 30]),
+    "torchrun_fsdp.py": (TORCHRUN, ["--timeout", 30]),
     "apex_ddp.py": (TORCHRUN, ["--timeout", 30, "--opt-level", "O0"]),
     "dp_baseline.py": ((), []),
 }
 CASES = [("spawn_ddp.py", "job", 2), ("spawn_ddp.py", "launcher", 0), ("dp_baseline.py", "job", 2),
-         ("torchrun_ddp.py", "job", 2), ("torchrun_ddp.py", "launcher", 0), ("apex_ddp.py", "job", 0)]
+         ("torchrun_ddp.py", "job", 2), ("torchrun_ddp.py", "launcher", 0), ("apex_ddp.py", "job", 0),
+         ("torchrun_fsdp.py", "job", 2)]
 
 
 def command(script, tiny_mnist, ckpt, *more):
@@ -67,7 +69,7 @@ def start_and_signal(cmd, who, after_step=5, **env):
                          ids=[f"{s}-{w}-workers{n}" for s, w, n in CASES])
 def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tmp_path, straight,
                                                                   script, who, workers):
-    ckpt = tmp_path / "c.pt"
+    ckpt = tmp_path / ("snap" if script == "torchrun_fsdp.py" else "c.pt")  # a folder there
     r = start_and_signal(command(script, tiny_mnist, ckpt, "--workers", workers), who,
                          **threads(script))
     assert "DataLoader worker" not in r.stderr, r.stderr
@@ -83,7 +85,8 @@ def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tm
     assert f"after step {snap['step']} of epoch 1; snapshot in {ckpt}: {again}" in lines[0]
     assert "error" not in r.stderr.replace("Traceback", "").lower() or torchrun, r.stderr
     assert 'File "' + str(ROOT) not in r.stderr, r.stderr  # no traceback from our code
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]  # no temp file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.name] + [  # no temp file left
+        "snap.0"] * ckpt.is_dir()  # (the folder its link points to)
     # and the job goes on from the snapshot, to exactly the end an uninterrupted run reaches
     launcher, extra = RUNS[script]
     resume = [] if torchrun else ["--resume"]  # torchrun's scripts resume by themselves

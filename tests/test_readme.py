@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, run_mains
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SCRIPTS = ("dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py")
+SCRIPTS = ("dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py", "torchrun_fsdp.py")
 SBATCH = {"slurm/torchrun_ddp.sbatch": "torchrun_ddp.py", "slurm/spawn_ddp.sbatch": "spawn_ddp.py"}
 
 
@@ -99,7 +99,8 @@ def changed_lines(a, b):
 def test_the_lesson_is_a_diff_of_at_most_60_lines():
     """The README's lesson is `diff lesson/one_process.py lesson/ddp.py`: a plain training loop
     and its DDP version, at most 60 changed lines (both sides), as many as the README says; and
-    the full scripts keep the same shape: `diff dp_baseline.py spawn_ddp.py` at most 60 too."""
+    the full scripts keep the same shape: `diff dp_baseline.py spawn_ddp.py` at most 60 too, and
+    so does the next chapter, `diff lesson/ddp.py lesson/fsdp.py`."""
     text = " ".join(readme().split())
     changed = changed_lines("lesson/one_process.py", "lesson/ddp.py")
     said = re.search(r"`diff lesson/one_process\.py lesson/ddp\.py` is the whole lesson, (\d+) "
@@ -110,6 +111,9 @@ def test_the_lesson_is_a_diff_of_at_most_60_lines():
     changed = changed_lines("dp_baseline.py", "spawn_ddp.py")
     said = re.search(r"`diff dp_baseline\.py spawn_ddp\.py` shows the lesson again between the "
                      r"full scripts, (\d+) changed lines", text)
+    assert changed <= 60 and said and int(said.group(1)) == changed
+    changed = changed_lines("lesson/ddp.py", "lesson/fsdp.py")  # the next chapter
+    said = re.search(r"`diff lesson/ddp\.py lesson/fsdp\.py` is that step, (\d+) changed", text)
     assert changed <= 60 and said and int(said.group(1)) == changed
 
 
@@ -227,6 +231,10 @@ def test_readme_command_parses(command):
                 assert (ROOT / path.split("::")[0]).exists(), path
     elif words[1:3] == ["-m", "torch.distributed.launch"]:
         check_launcher("torch.distributed.launch", words[3:])
+    elif words[1:3] == ["-m", "torch.distributed.checkpoint.format_utils"]:  # torch's converter
+        usage = subprocess.run([sys.executable, *words[1:3], "--help"], capture_output=True,
+                               text=True, check=True).stdout
+        assert words[3] in usage and len(words) == 6, words  # a mode, the folder, the file
     else:
         check_script_args(words[1], words[2:])
 

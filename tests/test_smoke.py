@@ -5,8 +5,10 @@ Eight launches prove it, by agreeing with each other bit for bit: the same seed 
 batch train the same model in every launch style (DDP at world size 1 is the bare loop, and
 the native path of apex_ddp.py at O0 is torchrun_ddp.py's), a run stopped after epoch 1 and
 resumed ends where a straight run ends, and evaluation counts the same test samples correct at
-1, 2 and 3 processes. The lesson pair (lesson/) trains too."""
+1, 2 and 3 processes. The lesson pair (lesson/) trains too, and torchrun_fsdp.py trains
+DDP's model where torch has FSDP2 on a CPU, and says which torch it needs where not."""
 import pytest
+import torch
 
 from conftest import N_TEST, assert_same_training_state, load, read_metrics, run_script
 
@@ -81,3 +83,21 @@ def test_the_lesson_trains(tiny_mnist, tmp_path, script, launcher):
     r = run_script(script, "--data-dir", tiny_mnist, "--batch-size", 64, "--checkpoint",
                    tmp_path / "c.pt", launcher=launcher, OMP_NUM_THREADS=1)
     assert f"total {N_TEST}" in r.stdout and load(tmp_path / "c.pt")["epoch"] == 1
+
+
+def test_fsdp_resumes_to_the_torchrun_run_or_names_the_torch_it_needs(tiny_mnist, tmp_path,
+                                                                    two_processes):
+    """torchrun_fsdp.py, from torch 2.7 (FSDP2 on a CPU): stopped after epoch 1, the same command
+    continues by itself, and ends with torchrun_ddp.py's model bit for bit. On an older torch:
+    one line that names the torch it needs, exit code 2."""
+    snap = tmp_path / "snap"
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 7):
+        r = run_script("torchrun_fsdp.py", "--data-dir", tiny_mnist, "--checkpoint", snap,
+                       check=False)
+        assert r.returncode == 2 and r.stderr.strip() == "error: torchrun_fsdp.py needs torch " \
+            f"2.7 or later (FSDP2 on a CPU); this is torch {torch.__version__}", r.stderr
+        return
+    run("torchrun_fsdp.py", tiny_mnist, tmp_path, "--stop-after", 1, "--checkpoint", snap, nproc=2)
+    r = run("torchrun_fsdp.py", tiny_mnist, tmp_path, "--checkpoint", snap, nproc=2)
+    assert "1 epoch(s) + 0 step(s)" in r.stdout
+    assert_same_training_state(load(two_processes / "c.pt"), load(snap))

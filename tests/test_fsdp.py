@@ -1,0 +1,188 @@
+"""torchrun_fsdp.py end to end on gloo (CPU): it trains DDP's model, its checkpoint is a DCP
+folder that torch's converter reads, and it resumes mid-epoch, at other world sizes and after a
+killed worker."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+from conftest import ROOT, assert_same_training_state, load, make_tiny_mnist, read_metrics, \
+    run_mains, run_script, script_env, wait_for, workers_of
+
+SCRIPT = "torchrun_fsdp.py"
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone")
+NEW_ENOUGH = torch.torch_version.TorchVersion(torch.__version__) >= (2, 7)
+pytestmark = pytest.mark.skipif(not NEW_ENOUGH, reason="FSDP2 on a CPU needs torch 2.7 "
+                                "(tests/test_smoke.py checks the older torch's one line)")
+
+
+def run(data, *extra, nproc=2, script=SCRIPT, **kw):
+    launcher = (*TORCHRUN, f"--nproc-per-node={nproc}") if nproc else ()
+    data = ("--data-dir", data) if data else ()  # (none for a task without MNIST's flags)
+    return run_script(script, *data, "--log-interval", 5, "--timeout", 30, *extra,
+                      launcher=launcher, OMP_NUM_THREADS=1, **kw)
+
+
+@pytest.mark.slow
+def test_bf16_and_accumulate_train_what_ddp_trains(tiny_mnist, tmp_path):
+    """--amp bf16 (FSDP's MixedPrecisionPolicy, BatchNorm in fp32; DDP's autocast) with
+    --accumulate 2 (set_requires_gradient_sync; no_sync): DDP's model and optimizer state, bit
+    for bit at 2 processes on this CPU (bf16 emulated where it lacks bf16 instructions)."""
+    flags = ("--batch-size", 32, "--amp", "bf16", "--accumulate", 2)
+    run(tiny_mnist, *flags, "--checkpoint", tmp_path / "ddp.pt", script="torchrun_ddp.py")
+    r = run(tiny_mnist, *flags, "--checkpoint", tmp_path / "snap")
+    assert not [ln for ln in r.stderr.splitlines() if "--amp bf16 on this CPU" not in ln], r.stderr
+    assert_same_training_state(load(tmp_path / "ddp.pt"), load(tmp_path / "snap"))
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist, tmp_path,
+                                                                      straight):
+    """SIGKILL rank 0 while the processes write the second mid-epoch snapshot (a slow disk,
+    simulated): the first stays the checkpoint, whole; torchrun restarts the group, the script
+    resumes from it by itself, and ends with the model and optimizer state of an uninterrupted
+    run of torchrun_ddp.py, bit for bit. The folder holds a shard file per process, each about
+    half of the state, and torch's converter makes it a plain state dict that common.py's
+    model loads."""
+    snap, second = tmp_path / "snap", tmp_path / "snap.1"
+    cmd = [sys.executable, *TORCHRUN, "--nproc-per-node=2", "--max-restarts=1",
+           str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size", "32", "--epochs",
+           "2", "--save-every", "6", "--log-interval", "100", "--timeout", "30",
+           "--checkpoint", str(snap)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            env=script_env(DDP_TEST_STEP_DELAY=0.05, DDP_TEST_SLOW_SAVE=0.05))
+    try:  # (each tensor DCP writes takes 0.05 s more: a save, about 2 s)
+        wait_for(lambda: second.is_dir() and any(second.iterdir()), 90, "the second snapshot")
+        os.kill(workers_of(proc.pid)[0], signal.SIGKILL)
+        assert not (second / ".metadata").exists()  # cut off, unfinished
+        assert os.readlink(snap) == "snap.0" and (snap / ".metadata").exists()
+        assert json.loads((snap / "run.json").read_text())["step"] == 6  # the first, whole
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, f"{out}\n{err}"
+    resumed = [ln for ln in out.splitlines() if ln.startswith(f"loaded {snap}")]
+    assert resumed and "0 epoch(s) + 6 step(s)" in resumed[0], out  # in the middle of an epoch
+    fsdp = load(snap)  # as torch's converter makes it a file
+    assert_same_training_state(load(straight(2, 32, 2) / "c.pt"), fsdp)  # fp32: the issue asks 1e-4
+    common.Net().load_state_dict(fsdp["model"])  # strict
+    shards = [p.stat().st_size for p in snap.glob("*.distcp")]  # one per process, each about
+    assert len(shards) == 2 and max(shards) < 0.6 * sum(shards), shards  # half the state
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("snap")) == \
+        ["snap", "snap.0", "snap.1"]  # no link or folder of ours left over
+
+
+@pytest.fixture(scope="module")
+def after_epoch_1(tiny_mnist, tmp_path_factory):
+    """2 processes, --batch-size 48 (divides by 1, 2 and 3), stopped after epoch 1 of 2."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    run(tiny_mnist, "--batch-size", 48, "--epochs", 2, "--stop-after", 1, "--checkpoint",
+        tmp / "snap")
+    return tmp / "snap"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_a_run_continues_at_another_world_size(tiny_mnist, tmp_path, after_epoch_1, nproc):
+    """DCP reshards: the run stopped after epoch 1 at 2 processes continues at 1 (plain
+    python) and at 3, from a copy of its folder (a real folder, not a link: the first save
+    moves it aside), and trains epoch 2 only."""
+    snap = tmp_path / "snap"
+    shutil.copytree(after_epoch_1, snap)  # what the link points to
+    r = run(tiny_mnist, "--batch-size", 48, "--epochs", 2, "--checkpoint", snap, "--metrics",
+            tmp_path / "m.jsonl", nproc=nproc if nproc > 1 else 0)
+    assert f"loaded {snap}: 1 epoch(s) + 0 step(s)" in r.stdout
+    assert [(row["epoch"], row["world_size"]) for row in read_metrics(tmp_path / "m.jsonl")] \
+        == [(2, nproc)]
+    assert snap.is_symlink() and json.loads((snap / "run.json").read_text())["epoch"] == 2
+
+
+@pytest.mark.slow
+def test_evaluation_with_unequal_shards_ends_and_says_the_saved_model(tmp_path, after_epoch_1):
+    """The folder evaluated on 1,001 test samples (--data-dir is not the run's: the same
+    training set, a longer test set), 2 processes, --batch-size 500 (250 a batch each): rank 0
+    has 501 samples, 3 batches, rank 1 has 2. Each forward of a sharded model is a collective,
+    so both run 3; every sample is counted once, and the accuracy is the saved model's,
+    computed here from torch's converted file."""
+    data = make_tiny_mnist(tmp_path / "data", n_test=1001)
+    run(data, "--batch-size", 500, "--checkpoint", after_epoch_1, "--evaluate", "--metrics",
+        tmp_path / "m.jsonl", timeout=90)
+    [row] = read_metrics(tmp_path / "m.jsonl")
+    model = common.Net().eval()
+    model.load_state_dict(load(after_epoch_1)["model"])
+    test_set = common.make_datasets(common_args(data))[1]
+    with torch.no_grad():
+        correct = int((model(test_set.images).argmax(1) == test_set.labels).sum())
+    assert (row["total"], row["correct"]) == (1001, correct) and correct > 500, row
+
+
+def common_args(data):
+    class Args:
+        dummy, data_dir = False, str(data)
+    return Args
+
+
+@pytest.mark.slow
+def test_refusals_of_the_sharded_form(tiny_mnist, tmp_path, after_epoch_1):
+    """One line, exit 2, before training: what cannot work with a DCP folder."""
+    (tmp_path / "file.pt").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    task = tmp_path / "wider.py"
+    task.write_text("import torch.nn as nn\nimport common\n\n\ndef make_model(args):\n"
+                    "    net = common.Net()\n    net.head[3] = nn.Linear(128, 11)\n"
+                    "    return net\n")
+    changed = tmp_path / "changed"  # a run of --task wider.py, whose model has changed since
+    shutil.copytree(after_epoch_1, changed)
+    meta = json.loads((changed / "run.json").read_text())
+    (changed / "run.json").write_text(json.dumps({**meta, "args": {**meta["args"],
+                                                                   "task": str(task)}}))
+    base = ["--data-dir", str(tiny_mnist), "--batch-size", "48", "--epochs", "2"]
+    cases = {
+        "--save-on-each-node": ["--save-on-each-node", "--checkpoint", str(tmp_path / "s")],
+        "is a file; give a folder path": ["--checkpoint", str(tmp_path / "file.pt")],
+        f"{after_epoch_1} is the checkpoint of another run: --lr 0.01 in the checkpoint, 0.02 "
+        "now": ["--lr", "0.02", "--checkpoint", str(after_epoch_1)],
+        "does not fit this model: head.3.bias (10,) in the checkpoint, (11,) here":
+            ["--task", str(task), "--checkpoint", str(changed)],
+        "is not a checkpoint of torchrun_fsdp.py (run.json: No such file or directory)":
+            ["--checkpoint", str(tmp_path / "empty")],
+    }
+    results = run_mains(SCRIPT, [{"argv": base + argv, "env": {}} for argv in cases.values()])
+    for said, r in zip(cases, results):
+        assert r["code"] == 2 and not r["started"], (said, r)
+        [line] = r["stderr"].strip().splitlines()
+        assert line.startswith("error: ") and said in line, (said, line)
+
+
+@pytest.mark.slow
+def test_full_disk_keeps_the_previous_snapshot(tiny_mnist, small_disk):
+    """A tmpfs with room for one snapshot's folder (about 1.1 MB) but not two: the second save
+    fails in both processes, each node says so in one line, and the first stays whole."""
+    snap = small_disk / "snap"
+    r = run(tiny_mnist, "--batch-size", 32, "--epochs", 2, "--save-every", 6, "--checkpoint",
+            snap, check=False)
+    assert r.returncode != 0
+    [line] = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert "could not write the checkpoint" in line and " MiB free on its disk" in line and \
+        "the previous one, if any, is intact" in line, r.stderr  # (DCP drops the OSError)
+    assert (load(snap)["epoch"], load(snap)["step"]) == (0, 6)
+
+
+@pytest.mark.slow
+def test_a_task_of_its_own_trains_as_under_ddp(tmp_path):
+    """tasks/text.py (dict samples, a padding collate, a Transformer with dropout): FSDP2 over
+    the default units trains torchrun_ddp.py's model, bit for bit in fp32."""
+    flags = ("--task", ROOT / "tasks" / "text.py", "--samples", 128, "--batch-size", 32,
+             "--workers", 2)
+    run(None, *flags, "--checkpoint", tmp_path / "ddp.pt", script="torchrun_ddp.py")
+    run(None, *flags, "--checkpoint", tmp_path / "snap")
+    assert_same_training_state(load(tmp_path / "ddp.pt"), load(tmp_path / "snap"))
