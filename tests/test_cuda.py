@@ -317,6 +317,21 @@ def test_sync_bn_converts_trains_and_saves_a_plain_model(script, nproc, tiny_mni
 # spawn_ddp.py --nproc-per-node GPUS+1: tests/test_spawn_ddp.py::test_error_more_processes_than_gpus
 # (not marked `cuda`: it runs in the plain suite wherever there is a GPU).
 
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=two_gpus)])
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_fsdp_trains_resumes_and_converts_on_gpus(amp, nproc, tiny_mnist, tmp_path):
+    """torchrun_fsdp.py on NCCL (written without a GPU: docs/fsdp.md): with MixedPrecisionPolicy
+    in bf16 and without, stopped after epoch 1, the same command continues from its DCP folder
+    written from CUDA, and torch's converter makes it, on the CPU, a plain state dict that
+    common.py's model loads. One process shards nothing but runs every path but the gathers."""
+    flags = ("--epochs", 2, "--checkpoint", tmp_path / "snap", "--metrics", tmp_path / "m.jsonl")
+    launch("torchrun_fsdp.py", nproc, tiny_mnist, *flags, "--stop-after", 1, amp=amp)
+    r = launch("torchrun_fsdp.py", nproc, tiny_mnist, *flags, amp=amp)
+    assert "backend nccl, device cuda" in r.stdout and "1 epoch(s) + 0 step(s)" in r.stdout
+    assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
+    common.Net().load_state_dict(conftest.load(tmp_path / "snap")["model"])  # strict
+
+
 @pytest.mark.parametrize("script", ["torchrun_ddp.py", "apex_ddp.py"])
 def test_more_processes_than_gpus_is_refused(script, tiny_mnist):
     n = GPUS + 1
