@@ -172,8 +172,11 @@ def test_full_disk_keeps_the_previous_snapshot(tiny_mnist, small_disk):
             snap, check=False)
     assert r.returncode != 0
     [line] = [ln for ln in r.stderr.splitlines() if "error:" in ln]
-    assert "could not write the checkpoint" in line and " MiB free on its disk" in line and \
-        "the previous one, if any, is intact" in line, r.stderr  # (DCP drops the OSError)
+    assert "could not write the checkpoint" in line and "the previous one, if any, is intact" \
+        in line, r.stderr
+    # The OS's reason; or, where the disk filled inside torch's zip writer (whose OSError DCP
+    # drops when it gathers the processes' errors), the space left: either, run to run.
+    assert "No space left on device" in line or " MiB free on its disk" in line, line
     assert (load(snap)["epoch"], load(snap)["step"]) == (0, 6)
 
 
