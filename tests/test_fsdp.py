@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,16 +120,10 @@ def test_evaluation_with_unequal_shards_ends_and_says_the_saved_model(tmp_path, 
     [row] = read_metrics(tmp_path / "m.jsonl")
     model = common.Net().eval()
     model.load_state_dict(load(after_epoch_1)["model"])
-    test_set = common.make_datasets(common_args(data))[1]
+    test_set = common.make_datasets(SimpleNamespace(dummy=False, data_dir=str(data)))[1]
     with torch.no_grad():
         correct = int((model(test_set.images).argmax(1) == test_set.labels).sum())
     assert (row["total"], row["correct"]) == (1001, correct) and correct > 500, row
-
-
-def common_args(data):
-    class Args:
-        dummy, data_dir = False, str(data)
-    return Args
 
 
 @pytest.mark.slow
