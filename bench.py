@@ -57,8 +57,8 @@ def command(script, world_size, v):
                 *precision]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={world_size}"]
-    if script in ("torchrun_ddp", "torchrun_fsdp"):  # (FSDP: an --against of older scripts
-        found = Path(repo, f"{script}.py").exists()  # may not have it)
+    if script in ("torchrun_ddp", "torchrun_fsdp"):
+        found = Path(repo, f"{script}.py").exists()  # an --against tree may predate FSDP
         return [*torchrun, f"{repo}/{script}.py", *precision] if found else None
     # apex_ddp.py picks precision by --opt-level: O0 is fp32; natively O1 is fp16 on GPUs, bf16
     # on a CPU with bf16 instructions and fp32 on other CPUs

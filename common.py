@@ -281,7 +281,8 @@ def evaluate(model, loader, device, task=None, batches=None):
     # as rank 0, whose shard is the longest, the extra ones on its last batch, not counted.
     most = math.ceil(math.ceil(len(loader.dataset) / world_size) / loader.batch_size) \
         if loader.batch_size else len(loader)
-    for _ in range(min(most, batches or most) - min(len(loader), batches or most)):
+    limit = batches or math.inf
+    for _ in range(min(most, limit) - min(len(loader), limit)):
         forward(model, to_device(inputs, device))
     names = sorted(sums)  # the same order in every process
     totals = torch.stack([sums[n] for n in names])

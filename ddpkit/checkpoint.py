@@ -20,13 +20,16 @@ from . import machine
 
 # ---- The file: written once, atomically; read on the CPU, weights only ------------------
 
-def state(model, optimizer, scheduler, scaler, epoch, step, args, plain=False):
-    """Plain tensors and values only. `epoch` epochs done, plus `step` steps of the next one.
-    `plain`: without model and optimizer, JSON's values only (the sharded form's RUN_JSON)."""
-    weights = {} if plain else {"model": model.state_dict(),  # the plain model: no "module."
-                                "optimizer": optimizer.state_dict()}
-    return {**weights, "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "epoch": epoch, "step": step, "args": vars(args)}
+def state(model, optimizer, scheduler, scaler, epoch, step, args):
+    """Plain tensors and values only. `epoch` epochs done, plus `step` steps of the next one."""
+    return {"model": model.state_dict(),  # the plain model: no "module." prefix
+            "optimizer": optimizer.state_dict(), **progress(scheduler, scaler, epoch, step, args)}
+
+
+def progress(scheduler, scaler, epoch, step, args):
+    """Everything but the weights: plain values, JSON's too (the sharded form's RUN_JSON)."""
+    return {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
+            "step": step, "args": vars(args)}
 
 
 def save(state, path):
@@ -97,9 +100,8 @@ def save_sharded(model, optimizer, scheduler, scaler, epoch, step, args):
     try:
         save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
         if rank == 0:
-            rest = state(model, optimizer, scheduler, scaler, epoch, step, args, plain=True)
             with open(os.path.join(folder, RUN_JSON), "x") as f:
-                json.dump(rest, f)
+                json.dump(progress(scheduler, scaler, epoch, step, args), f)
                 f.flush()
                 os.fsync(f.fileno())
             if os.path.isdir(path) and not os.path.islink(path):  # a folder copied here

@@ -164,7 +164,7 @@ def check_args(args, task, place=None, elastic=False, cuda=None, sharded=False):
         raise Fatal("--nnodes > 1 needs --master-addr (node 0's address) and --master-port")
     if node_rank >= nnodes:
         raise Fatal(f"--node-rank must be in 0..{nnodes - 1}")
-    if sharded and torch.torch_version.TorchVersion(torch.__version__) < (2, 6 if cuda else 7):
+    if sharded and torch.__version__ < (2, 6 if cuda else 7):
         raise Fatal(f"torchrun_fsdp.py needs torch {'2.6' if cuda else '2.7'} or later (FSDP2 "
                     f"{'on CUDA' if cuda else 'on a CPU'}); this is torch {torch.__version__}")
     if sharded and args.save_on_each_node:

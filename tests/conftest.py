@@ -1,4 +1,5 @@
 """Shared test helpers: tiny MNIST IDX files, running the real scripts as subprocesses."""
+import contextlib
 import json
 import os
 import shutil
@@ -265,22 +266,30 @@ def family(pid):
     return out
 
 
+@contextlib.contextmanager
+def process_group(cmd, env, cwd=ROOT):
+    """`cmd` started as a process group of its own, its output piped; killed, whole, if it still
+    runs when the block ends (a failed assertion, a timeout)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
 def sigterm_when(cmd, line_start, env, cwd=ROOT, timeout=180):
     """Runs `cmd` as a process group of its own and, once a line of its output starts with
     `line_start`, sends SIGTERM to the whole group (data workers included, as torchrun's
     os.killpg and SLURM's scancel do); returns (the rest of stdout, stderr) when it has ended."""
-    proc = subprocess.Popen(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, env=env)
-    try:
+    with process_group(cmd, env, cwd) as proc:
         for line in proc.stdout:
             if line.startswith(line_start):
                 break
         os.killpg(proc.pid, signal.SIGTERM)
         return proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
 
 
 def wait_for(condition, timeout, what):

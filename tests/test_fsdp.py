@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -13,12 +12,12 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, assert_same_training_state, load, make_tiny_mnist, read_metrics, \
-    run_mains, run_script, script_env, wait_for, workers_of
+from conftest import ROOT, assert_same_training_state, load, make_tiny_mnist, process_group, \
+    read_metrics, run_mains, run_script, script_env, wait_for, workers_of
 
 SCRIPT = "torchrun_fsdp.py"
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone")
-NEW_ENOUGH = torch.torch_version.TorchVersion(torch.__version__) >= (2, 7)
+NEW_ENOUGH = torch.__version__ >= (2, 7)
 pytestmark = pytest.mark.skipif(not NEW_ENOUGH, reason="FSDP2 on a CPU needs torch 2.7 "
                                 "(tests/test_smoke.py checks the older torch's one line)")
 
@@ -56,20 +55,14 @@ def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist
            str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size", "32", "--epochs",
            "2", "--save-every", "6", "--log-interval", "100", "--timeout", "30",
            "--checkpoint", str(snap)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True,
-                            env=script_env(DDP_TEST_STEP_DELAY=0.05, DDP_TEST_SLOW_SAVE=0.05))
-    try:  # (each tensor DCP writes takes 0.05 s more: a save, about 2 s)
+    env = script_env(DDP_TEST_STEP_DELAY=0.05, DDP_TEST_SLOW_SAVE=0.05)  # each tensor DCP
+    with process_group(cmd, env) as proc:  # writes takes 0.05 s more: a save, about 2 s
         wait_for(lambda: second.is_dir() and any(second.iterdir()), 90, "the second snapshot")
         os.kill(workers_of(proc.pid)[0], signal.SIGKILL)
         assert not (second / ".metadata").exists()  # cut off, unfinished
         assert os.readlink(snap) == "snap.0" and (snap / ".metadata").exists()
         assert json.loads((snap / "run.json").read_text())["step"] == 6  # the first, whole
         out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     assert proc.returncode == 0, f"{out}\n{err}"
     resumed = [ln for ln in out.splitlines() if ln.startswith(f"loaded {snap}")]
     assert resumed and "0 epoch(s) + 6 step(s)" in resumed[0], out  # in the middle of an epoch

@@ -91,7 +91,7 @@ def test_fsdp_trains_the_torchrun_model_or_names_the_torch_it_needs(tiny_mnist, 
     (tests/test_fsdp.py resumes it, at other world sizes too). On an older torch: one line that
     names the torch it needs, exit code 2."""
     snap = tmp_path / "snap"
-    if torch.torch_version.TorchVersion(torch.__version__) < (2, 7):
+    if torch.__version__ < (2, 7):
         r = run_script("torchrun_fsdp.py", "--data-dir", tiny_mnist, "--checkpoint", snap,
                        check=False)
         assert r.returncode == 2 and r.stderr.strip() == "error: torchrun_fsdp.py needs torch " \

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import N_TEST, ROOT, assert_no_deprecation_warnings, assert_same_training_state, \
-    free_port, load, read_metrics, read_records, run_mains, run_script, script_env, wait_for, \
-    workers_of
+    free_port, load, process_group, read_metrics, read_records, run_mains, run_script, \
+    script_env, wait_for, workers_of
 
 SCRIPT = "torchrun_ddp.py"
 TORCHRUN = ("-m", "torch.distributed.run")  # the `torchrun` command, from this interpreter
@@ -142,9 +142,7 @@ def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, str
                      **({"DDP_TEST_SLOW_SAVE": 0.5} if mid_write else {}))
     cmd = [sys.executable, *standalone(2, "--max-restarts=1"), str(ROOT / SCRIPT),
            "--data-dir", str(tiny_mnist), *map(str, KILL_ARGS), "--checkpoint", str(snap)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    try:
+    with process_group(cmd, env) as proc:
         if mid_write:  # the second snapshot is being written: the first one is complete
             wait_for(lambda: snap.exists() and tmp_files(), 90, "the second snapshot")
             [tmp_file] = tmp_files()
@@ -156,10 +154,6 @@ def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, str
             with pytest.raises(Exception):  # the one being written was cut off: half a file
                 load(tmp_file)
         out, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     assert proc.returncode == 0, f"{out}\n{err}"
     assert_no_deprecation_warnings(out + err)
     assert "restart 1 (TORCHELASTIC_RESTART_COUNT)" in out
