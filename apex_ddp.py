@@ -79,14 +79,10 @@ def train(place, args, why):
     cuda = device.type == "cuda"
     # torchrun's environment is all init_process_group needs; torchrun_store adds a meeting
     store = launch.torchrun_store(args, place, device)
-    node = f"prepared/{place.node}"
-    if place.local_rank == 0:  # the first process of each machine downloads; the others wait
-        task.prepare_data(args)
-        store.set(node, "")
-    store.wait([node], timedelta(seconds=args.timeout))
 
     # Data: this process's part of each global batch, from its sampler; augmentation per sample.
-    train_set, test_set = task.make_datasets(args)
+    # Loaded by all before any joins the group: one that fails ends the others (load_data).
+    train_set, test_set = launch.load_data(store, place, args, task)
     train_set = data.PerSampleSeeds(train_set, args.seed)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)  # its own shard
     batch_size = args.batch_size // world_size
@@ -134,6 +130,7 @@ def train(place, args, why):
     ddp = ApexDDP(model, delay_allreduce=True)
 
     def save(epoch, step):  # by one writer; the plain model's state: no "module." prefix
+        launch.set_timeout(args, steady=False)  # --timeout: a write takes what it takes
         if args.checkpoint and (place.local_rank if args.save_on_each_node else rank) == 0:
             state = checkpoint.state(model, optimizer, scheduler, scaler, epoch, step, args)
             state["amp"] = amp.state_dict()  # the loss scale (native: the scaler's state)
@@ -176,6 +173,7 @@ def train(place, args, why):
             scale, before = loss_scale(), scale  # apex lowers it when it skipped a step: the
             if scale >= before:  # schedule waits for that step, as with the native GradScaler
                 scheduler.step()
+            launch.set_timeout(args, step > stats.skipped + 1)  # all past their 1st step: short
             if step % args.log_interval == 0:
                 loss = common.reduce_tensor(stats.loss_sum).item() / stats.seen  # all processes'
                 report.progress(epoch, step, steps, loss, scheduler.get_last_lr()[0], stats)

@@ -21,7 +21,7 @@ def main():
 
 def train(place, args):
     task = load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
-    rank, world_size = place.rank, place.world_size  # one process (spawn_ddp.py: several)
+    rank, world_size = place.rank, place.world_size  # its place in the job (launch.Place)
     device = machine.process_device(args.gpus[0] if args.gpus else 0, 1)  # first GPU, or CPU
     cuda = device.type == "cuda"
 

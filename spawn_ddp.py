@@ -31,7 +31,7 @@ def main():
 
 def train(place, args, store_file):
     task = load_task(args.task)  # the task's names: common.py's (MNIST), or --task's
-    rank, world_size = place.rank, place.world_size  # of all nodes (launch.spawn_place)
+    rank, world_size = place.rank, place.world_size  # its place in the job (launch.Place)
     device = machine.process_device(place.local_rank, place.nproc)  # its GPU, or CPU cores
     cuda = device.type == "cuda"
 
@@ -75,6 +75,7 @@ def train(place, args, store_file):
     net = torch.compile(ddp) if args.compile else ddp  # compiled after the wrap, as documented
 
     def save(epoch, step):  # by one writer; the plain model's state: no "module." prefix
+        launch.set_timeout(args, steady=False)  # --timeout: a write takes what it takes
         if args.checkpoint and (place.local_rank if args.save_on_each_node else rank) == 0:
             checkpoint.save(checkpoint.state(
                 model, optimizer, scheduler, scaler, epoch, step, args), args.checkpoint)
@@ -112,6 +113,7 @@ def train(place, args, store_file):
             scale, before = scaler.get_scale(), scale  # with fp16, one sync a step
             if scale >= before:  # so the schedule waits for a step the scaler skipped
                 scheduler.step()
+            launch.set_timeout(args, step > stats.skipped + 1)  # all past their 1st step: short
             if step % args.log_interval == 0:
                 loss = common.reduce_tensor(stats.loss_sum).item() / stats.seen  # all processes'
                 report.progress(epoch, step, steps, loss, scheduler.get_last_lr()[0], stats)

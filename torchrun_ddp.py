@@ -39,14 +39,10 @@ def train(place, args):
     cuda = device.type == "cuda"
     # torchrun's environment is all init_process_group needs; torchrun_store adds a meeting
     store = launch.torchrun_store(args, place, device)
-    node = f"prepared/{place.node}"
-    if place.local_rank == 0:  # the first process of each machine downloads; the others wait
-        task.prepare_data(args)
-        store.set(node, "")
-    store.wait([node], timedelta(seconds=args.timeout))
 
     # Data: this process's part of each global batch, from its sampler; augmentation per sample.
-    train_set, test_set = task.make_datasets(args)
+    # Loaded by all before any joins the group: one that fails ends the others (load_data).
+    train_set, test_set = launch.load_data(store, place, args, task)
     train_set = data.PerSampleSeeds(train_set, args.seed)
     sampler = DistributedSampler(train_set, world_size, rank, seed=args.seed)  # its own shard
     batch_size = args.batch_size // world_size
@@ -85,6 +81,7 @@ def train(place, args):
     net = torch.compile(ddp) if args.compile else ddp  # compiled after the wrap, as documented
 
     def save(epoch, step):  # by one writer; the plain model's state: no "module." prefix
+        launch.set_timeout(args, steady=False)  # --timeout: a write takes what it takes
         if args.checkpoint and (place.local_rank if args.save_on_each_node else rank) == 0:
             checkpoint.save(checkpoint.state(
                 model, optimizer, scheduler, scaler, epoch, step, args), args.checkpoint)
@@ -122,6 +119,7 @@ def train(place, args):
             scale, before = scaler.get_scale(), scale  # with fp16, one sync a step
             if scale >= before:  # so the schedule waits for a step the scaler skipped
                 scheduler.step()
+            launch.set_timeout(args, step > stats.skipped + 1)  # all past their 1st step: short
             if step % args.log_interval == 0:
                 loss = common.reduce_tensor(stats.loss_sum).item() / stats.seen  # all processes'
                 report.progress(epoch, step, steps, loss, scheduler.get_last_lr()[0], stats)

@@ -160,8 +160,8 @@ NO_RESUME, RESUME_IF_FOUND, RESUME = 0, 1, 2  # what one process asks for
 # is, not what). docs/preemption.md#one-run-one-checkpoint says why each is where it is.
 NOT_THE_RUN = {"stop_after", "workers", "channels_last", "compile", "checkpoint", "save_every",
                "resume", "evaluate", "metrics", "log_interval", "save_on_each_node", "timeout",
-               "join_timeout", "nproc_per_node", "nnodes", "node_rank", "master_addr",
-               "master_port", "local_rank", "gpus", "native"}
+               "step_timeout", "join_timeout", "nproc_per_node", "nnodes", "node_rank",
+               "master_addr", "master_port", "local_rank", "gpus", "native"}
 
 
 def run_flags(args):
@@ -262,14 +262,16 @@ def agreed(args, wish, place, device, log=print):
 
 def restore(ckpt, model, optimizer, scheduler, scaler, path, log=print):
     """A checkpoint (or None) loaded into freshly built objects: (epoch, step) to continue from.
-    The checkpoint is emptied, so that the file it maps is let go."""
+    Nothing of it stays mapped: it is emptied, and the optimizer's CPU tensors are copies."""
     if not ckpt:
         return 0, 0
     if os.path.isdir(path):
         restore_sharded(model, optimizer, path)
     else:
         load_model_state(model, ckpt["model"], path)
-        optimizer.load_state_dict(ckpt["optimizer"])
+        optimizer.load_state_dict(ckpt["optimizer"])  # its CPU tensors: the mapped file's,
+        for s in optimizer.state.values():  # uncopied, which would keep it mapped all the run
+            s.update({k: v.clone() for k, v in s.items() if torch.is_tensor(v) and v.is_cpu})
     scheduler.load_state_dict(ckpt["scheduler"])
     if ckpt.get("scaler") and scaler.is_enabled():  # a checkpoint without fp16 has no scale
         scaler.load_state_dict(ckpt["scaler"])

@@ -105,14 +105,18 @@ def parse_args(description, launcher, argv=None):
     if launcher == "dp":
         a("--gpus", type=gpu_ids, default=list(range(torch.cuda.device_count())),
           help="GPU ids, e.g. 0,1 (default: all)")
-        p.set_defaults(save_on_each_node=False, timeout=None, join_timeout=None)
+        p.set_defaults(save_on_each_node=False, timeout=None, join_timeout=None,
+                       step_timeout=None)
     else:
         a("--save-on-each-node", action="store_true", help="one checkpoint writer per node "
           "(local rank 0), for nodes without a shared filesystem")
         a("--timeout", type=positive_float, default=600, metavar="SECONDS", help="how long a "
-          "collective waits for the slowest process, e.g. one writing a checkpoint" + d)
-        a("--join-timeout", type=positive_float, default=60, metavar="SECONDS", help="how long "
-          "the processes wait for each other at start-up" + d)
+          "collective waits for the slowest process at start-up, in the first step and around "
+          "a checkpoint write" + d)
+        a("--step-timeout", type=positive_float, default=120, metavar="SECONDS", help="the "
+          "same after each training step, where a lost peer should end the job soon" + d)
+        a("--join-timeout", type=positive_float, default=600, metavar="SECONDS", help="how long "
+          "the processes wait for each other at start-up (torchrun's rendezvous: 600 s)" + d)
     if launcher == "spawn":
         g = p.add_argument_group("launch (spawn)").add_argument
         g("--nproc-per-node", type=positive_int, default=torch.cuda.device_count() or 2,

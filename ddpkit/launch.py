@@ -177,10 +177,11 @@ def meet(store, place, args, kind):
             store.set(f"{token}/0", mine)
             store.wait([f"{token}/{r}" for r in range(world_size)])
             others = [store.get(f"{token}/{r}").decode().split(" ", 1) for r in range(world_size)]
-            odd = sorted({int(n) for n, k in others if k != kind})
+            kinds = sorted({k for _, k in others})  # "gloo on cpu" first: a node without GPUs
+            odd = sorted({int(n) for n, k in others if k == kinds[0]}) if kinds[1:] else []
             verdict = f"the processes of node(s) {', '.join(map(str, odd))} would train with " \
-                f"{next(k for n, k in others if k != kind)}, rank 0 with {kind}: every node " \
-                "must see its GPUs (check its driver with nvidia-smi)" if odd else ""
+                f"{kinds[0]}, the others with {kinds[-1]}: every node must see its GPUs (check " \
+                "its driver with nvidia-smi)" if odd else ""
             store.set(f"{token}/all", verdict)
         pause = 0.01  # (polled: a TCPStore client whose wait timed out answers out of turn)
         while rank != 0:
@@ -210,6 +211,41 @@ def meet(store, place, args, kind):
     store = dist.PrefixStore(f"{token}/", store)
     store.set_timeout(timedelta(seconds=args.timeout))
     return store
+
+
+def load_data(store, place, args, task):
+    """The task's datasets, in every process before any enters init_process_group: the first
+    process of each machine prepares the data (a download), the others wait for it, then each
+    makes its own. A process that fails says so in the store, and the others end at once with a
+    line that names it (they would wait --timeout in init_process_group for it)."""
+    node, keys, failed = f"prepared/{place.node}", [f"loaded/{r}" for r in range(
+        place.world_size)], "failed"
+    try:
+        if place.local_rank == 0:
+            try:
+                task.prepare_data(args)
+            finally:  # the others go on, and fail by themselves if it did
+                store.set(node, "")
+        store.wait([node], timedelta(seconds=args.timeout))
+        datasets, failed = task.make_datasets(args), ""
+    finally:
+        store.set(keys[place.rank], failed)
+    store.wait(keys, timedelta(seconds=args.timeout))
+    lost = [str(r) for r, key in enumerate(keys) if store.get(key)]
+    if lost:
+        raise dist.DistStoreError(f"rank(s) {', '.join(lost)} could not load the data (their "
+                                  "own lines say why)")
+    return datasets
+
+
+def set_timeout(args, steady):
+    """The process group's timeout from here on (torchtitan's form): --step-timeout (if shorter)
+    once `steady`, after an epoch's second step (its all-reduce waited for every process's first,
+    which may compile), so that a lost peer is seen soon; --timeout before then and around a
+    checkpoint write. torch 2.4's gloo keeps the one it started with."""
+    seconds = min(args.step_timeout, args.timeout) if steady else args.timeout
+    (getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout)(
+        timedelta(seconds=seconds))
 
 
 def read_by_all(store, key, rank, world_size, seconds):

@@ -11,16 +11,16 @@ from common import Fatal
 
 def process_device(local_rank, local_world_size):
     """This process's device: its own GPU, made current (so that NCCL and every .cuda() use it),
-    or the CPU with its share of the cores, which processes on one machine otherwise fight over
-    (pytorch/pytorch#22260); OMP_NUM_THREADS, if set, wins."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+    or the CPU. Either way it computes on its share of the cores, which processes on one machine
+    otherwise fight over (pytorch/pytorch#22260); OMP_NUM_THREADS, if set, wins."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, cpu_count() // local_world_size))
     elif not os.environ["OMP_NUM_THREADS"].isdigit() or int(os.environ["OMP_NUM_THREADS"]) < 1:
         raise Fatal(f"OMP_NUM_THREADS: expected an integer > 0, got "
                     f"{os.environ['OMP_NUM_THREADS']!r}")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 

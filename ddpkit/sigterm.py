@@ -58,7 +58,8 @@ class StopSignal:
         if not (first or step >= self.next or step == self.steps):
             return False
         per_step = 0.0 if first else (time.perf_counter() - self.last[1]) / (step - self.last[0])
-        both = torch.tensor([float(self.received), per_step], device=self.device)
+        both = torch.tensor([float(self.received), per_step], pin_memory=self.device.type ==
+                            "cuda").to(self.device, non_blocking=True)  # tolist(): the one sync
         common.recent.append(both)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)  # anyone's flag; the slowest process's pace
         received, per_step = both.tolist()

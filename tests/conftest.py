@@ -2,6 +2,7 @@
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -9,6 +10,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -172,6 +174,40 @@ def assert_no_deprecation_warnings(text, allow=None):
 
 def read_metrics(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+class Watched:
+    """A command's merged stdout and stderr, each line with the seconds since it started."""
+
+    def __init__(self, cmd, env, timeout, on_line=None, cwd=ROOT):
+        self.lines, start = [], time.monotonic()
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.pid = proc.pid
+        killer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        killer.start()
+        try:
+            for line in proc.stdout:
+                self.lines.append((time.monotonic() - start, line.rstrip("\n")))
+                if on_line:
+                    on_line(self, line)
+            self.returncode = proc.wait()
+        finally:
+            killer.cancel()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.seconds = time.monotonic() - start
+        self.text = "\n".join(line for _, line in self.lines)
+        assert self.returncode != -signal.SIGKILL, f"killed after {timeout} s:\n{self.text}"
+
+    def first(self, pattern):
+        """(seconds, line) of the first line that matches `pattern`; fails if none does."""
+        for t, line in self.lines:
+            if re.search(pattern, line):
+                return t, line
+        pytest.fail(f"no line matches {pattern!r}:\n{self.text}")
 
 
 def read_records(directory, name):

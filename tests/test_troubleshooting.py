@@ -1,7 +1,6 @@
 """The claims of docs/troubleshooting.md, each shown by real processes: the fault is caused by
 the test instrumentation (DDP_TEST_STALL, DDP_TEST_SLOW_SAVE) or by the small programs in
 tests/troubleshooting/, never by a flag of the scripts."""
-import os
 import re
 import shutil
 import signal
@@ -12,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, busy_port, load, read_metrics, script_env, workers_of
+from conftest import ROOT, Watched, busy_port, load, read_metrics, script_env, workers_of
 
 pytestmark = pytest.mark.slow  # about 2 minutes on 2 cores: out of the quick loop
 
@@ -24,40 +23,6 @@ TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 GLOO_TIMEOUT = r"Timed out waiting (\d+)ms for (send|recv) operation to complete|Application timeout caused pair closure"
 
 
-class Watched:
-    """A command's merged stdout and stderr, each line with the seconds since it started."""
-
-    def __init__(self, cmd, env, timeout, on_line=None, cwd=ROOT):
-        self.lines, start = [], time.monotonic()
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        self.pid = proc.pid
-        killer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        killer.start()
-        try:
-            for line in proc.stdout:
-                self.lines.append((time.monotonic() - start, line.rstrip("\n")))
-                if on_line:
-                    on_line(self, line)
-            self.returncode = proc.wait()
-        finally:
-            killer.cancel()
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        self.seconds = time.monotonic() - start
-        self.text = "\n".join(line for _, line in self.lines)
-        assert self.returncode != -signal.SIGKILL, f"killed after {timeout} s:\n{self.text}"
-
-    def first(self, pattern):
-        """(seconds, line) of the first line that matches `pattern`; fails if none does."""
-        for t, line in self.lines:
-            if re.search(pattern, line):
-                return t, line
-        pytest.fail(f"no line matches {pattern!r}:\n{self.text}")
-
-
 def tiny(data, timeout):
     """2 processes, global batch 64: 10 steps of the tiny MNIST, a progress line every 5."""
     return ["--data-dir", data, "--batch-size", 64, "--log-interval", 5, "--timeout", timeout]
@@ -66,9 +31,10 @@ def tiny(data, timeout):
 # ---- 1. a rank falls out of step: the others fail after --timeout, not never -----------------
 
 @pytest.mark.slow
-def test_stalled_rank_fails_the_job_within_the_timeout(tiny_mnist):
+def test_stalled_rank_fails_the_job_within_the_step_timeout(tiny_mnist):
     """torchrun_ddp.py: rank 1 sleeps 14 s before its third optimizer step; rank 0 waits for it
-    in the next step's collective and fails after --timeout 6. py-spy (where installed) shows
+    in the next step's collective and fails after --step-timeout 6, not --timeout (300 s here):
+    past the first step, the group's timeout is the steady one. py-spy (where installed) shows
     where each rank is while it waits."""
     timeout, stall, dumps = 6, 14, {}
 
@@ -82,7 +48,8 @@ def test_stalled_rank_fails_the_job_within_the_timeout(tiny_mnist):
             time.sleep(1)  # rank 0 reaches its collective within milliseconds
             threading.Thread(target=spy, args=(run.pid,)).start()
 
-    run = Watched([sys.executable, *TORCHRUN, ROOT / "torchrun_ddp.py", *tiny(tiny_mnist, timeout)],
+    run = Watched([sys.executable, *TORCHRUN, ROOT / "torchrun_ddp.py", *tiny(tiny_mnist, 300),
+                   "--step-timeout", timeout],
                   script_env(DDP_TEST_STALL=f"1:3:{stall}"), timeout=150, on_line=on_line)
     t_stall, _ = run.first(r"test instrumentation: rank 1 sleeps")
     t_error, line = run.first(GLOO_TIMEOUT)
@@ -115,15 +82,19 @@ def test_slow_save_on_rank_0_fails_the_others_at_the_barrier(tiny_mnist, tmp_pat
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_the_defaults_ride_out_a_slow_save(tiny_mnist, tmp_path):
-    """The other side: rank 0's checkpoint write takes 5 s, longer than --join-timeout (2 s
-    here), and the run ends normally with the default --timeout (600 s). The join timeout
-    bounds the start only; a collective waits --timeout for a busy process."""
+def test_the_defaults_ride_out_a_slow_first_step_and_a_slow_save(tiny_mnist, tmp_path):
+    """The other side: rank 1's first step and rank 0's checkpoint writes (at step 5 and at the
+    end) each take 5 s, longer than --join-timeout and --step-timeout (2 s here), and the run
+    ends normally with the default --timeout (600 s). The join timeout bounds the meeting, the
+    step timeout the steps after the first; the first step (which may compile) and a
+    checkpoint's writer get --timeout."""
     run = Watched([sys.executable, ROOT / "spawn_ddp.py", "--data-dir", tiny_mnist,
                    "--batch-size", 64, "--log-interval", 5, "--join-timeout", 2,
+                   "--step-timeout", 2, "--save-every", 5,
                    "--checkpoint", tmp_path / "c.pt", "--metrics", tmp_path / "m.jsonl"],
-                  script_env(DDP_TEST_SLOW_SAVE=5), timeout=150)
+                  script_env(DDP_TEST_SLOW_SAVE=5, DDP_TEST_STALL="1:1:5"), timeout=150)
     assert run.returncode == 0, run.text
+    run.first(r"test instrumentation: rank 1 sleeps 5 s before step 1")
     assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1]
 
 

@@ -3,9 +3,9 @@ worker) when tests put this folder on PYTHONPATH. It observes what the real scri
 changes none of their results:
 
   DDP_TEST_RECORD=DIR   record each rank's training-sampler indices per epoch, every torch.save
-                        and torch.load call, each rank's final model state at
-                        destroy_process_group, the threads each rank still runs when its script
-                        has returned (at exit), every fork (whether a process group existed, and
+                        and torch.load call, each rank's final model state and the files it
+                        maps at destroy_process_group, the threads each rank still runs when
+                        its script has returned (at exit), every fork (whether a process group existed, and
                         the threads then running), every process group made after the first,
                         the size of every tensor broadcast and the shape and dtype of every one all-reduced,
                         and how long the store given to init_process_group waits
@@ -340,6 +340,11 @@ if RECORD:
         if _wrapped and dist.is_initialized():
             _save(_wrapped[-1].state_dict(),
                   os.path.join(RECORD, f"final-rank{dist.get_rank()}.pt"))
+        if dist.is_initialized():
+            with open("/proc/self/maps") as f:
+                fields = [line.split(maxsplit=5) for line in f]
+            _append("maps", {"rank": dist.get_rank(), "files": sorted(
+                {row[5].rstrip() for row in fields if len(row) == 6 and row[5].startswith("/")})})
         return _destroy(*args, **kwargs)
     dist.destroy_process_group = _recording_destroy
 
@@ -387,9 +392,13 @@ if RECORD:
 #                             in the process of global rank RANK (once the process group
 #                             exists), torch.cuda.get_device_capability reports this compute
 #                             capability: a job whose GPUs are of two generations
+#   DDP_TEST_GPU_STALL=STEP:S before its STEP-th optimizer step, a process makes its GPU sleep
+#                             about S seconds (torch.cuda._sleep on the current stream): every
+#                             collective after it completes late, as behind a hung kernel. One
+#                             line on stderr says when.
 #   DDP_TEST_GPU_RECORD=DIR   at exit, each process appends to DIR/gpu-PID.jsonl: its rank and
 #                             the CUDA device current at init_process_group (both None without a
-#                             process group); for every visible GPU whether this process holds a
+#                             process group), torch's thread count; for every visible GPU whether this process holds a
 #                             CUDA context there, and its peak allocated and reserved memory
 #                             there; the classes of the modules whose forward ran, and each class
 #                             with the dtype of its outputs ("torch.nn.modules.conv.Conv2d
@@ -429,6 +438,20 @@ if os.environ.get("DDP_TEST_INF_GRAD_STEP"):
               f"(pid {os.getpid()})", file=sys.stderr, flush=True)
         return _InfiniteGradient.apply(loss)
     torch.nn.functional.cross_entropy = _overflowing_cross_entropy
+
+if os.environ.get("DDP_TEST_GPU_STALL"):
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    _gpu_stall_step, _gpu_stall_s = os.environ["DDP_TEST_GPU_STALL"].split(":")
+    _gpu_steps = [0]
+
+    def _gpu_stall(*_):
+        import torch
+        _gpu_steps[0] += 1
+        if _gpu_steps[0] == int(_gpu_stall_step):
+            print(f"test instrumentation: the GPU sleeps {_gpu_stall_s} s before step "
+                  f"{_gpu_stall_step} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            torch.cuda._sleep(int(float(_gpu_stall_s) * 2e9))  # cycles, at about 2 GHz
+    register_optimizer_step_pre_hook(_gpu_stall)
 
 if os.environ.get("DDP_TEST_GPU_CAPABILITY_OF"):
     import torch
@@ -471,7 +494,8 @@ if GPU_RECORD:
     dist.init_process_group = _gpu_recording_init_pg
 
     def _record_gpus_at_exit():
-        row = {"pid": os.getpid(), **_gpu, "modules": sorted({n for n, _ in _ran}),
+        row = {"pid": os.getpid(), **_gpu, "threads": torch.get_num_threads(),
+               "modules": sorted({n for n, _ in _ran}),
                "outputs": sorted(f"{n} {d}" for n, d in _ran if d),
                "cuda_initialized": False, "contexts": [], "max_allocated": [], "reserved": []}
         try:
