@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One device lease (docs/maintainers.md#gpu-tests): the machine, the one-GPU part of the
-# `cuda` tests in 4 pytest processes sharing the GPU, and one full-MNIST run. From the
+# One device lease of at most 10 minutes (docs/maintainers.md#gpu-tests), what matters first:
+# the machine and its torch; the one-GPU part of the `cuda` tests (4 pytest processes sharing
+# the GPU) on each NCCL engine this torch has (torch 2.15 builds ProcessGroupNCCL2 unless
+# TORCH_DIST_USE_NCCL2=0; older torch has one engine); then one full-MNIST run. From the
 # repository's root on the GPU machine, whose python3 has torch, pytest, pytest-xdist and
 # pytest-timeout:
 #   MNIST=DIR (holding MNIST/raw) APEX_SRC=apex-25.05.tar.gz OUT=DIR bash tests/gpu_lease.sh
@@ -9,13 +11,21 @@ set -uo pipefail
 OUT=${OUT:-/tmp/gpu-lease}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch; print('torch', torch.__version__, 'NCCL', torch.cuda.nccl.version())"
+{ python3 -c "import torch; print('torch', torch.__version__, 'NCCL', torch.cuda.nccl.version())"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  nproc
 } 2>&1 | tee "$OUT/machine.log"
-start=$(date +%s)
-python3 -m pytest -m cuda -n 4 -p no:cacheprovider -v -rfE --timeout 200 -o addopts="" tests \
-    2>&1 | tee "$OUT/cuda.log"
-echo "cuda tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/cuda.log"
+engines="default"  # TORCH_DIST_USE_NCCL2 unset
+if python3 -c "import torch.distributed as d; assert hasattr(d, 'ProcessGroupNCCL2')" 2>/dev/null; then
+  engines="default legacy"  # and TORCH_DIST_USE_NCCL2=0: the engine torch 2.14 had
+fi
+for engine in $engines; do
+  start=$(date +%s)
+  ( [ "$engine" = legacy ] && export TORCH_DIST_USE_NCCL2=0
+    python3 -m pytest -m cuda -n 4 -p no:cacheprovider -v -rfEP --timeout 200 -o addopts="" \
+        tests ) 2>&1 | tee "$OUT/cuda-$engine.log"
+  echo "cuda tests ($engine NCCL engine): $(( $(date +%s) - start )) s" | tee -a "$OUT/cuda-$engine.log"
+done
 if [ -n "${MNIST:-}" ]; then
   timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node=1 torchrun_ddp.py \
       --data-dir "$MNIST" 2>&1 | tee "$OUT/speed.log"

@@ -13,6 +13,7 @@ What the GPU runs report comes from tests/instrument/sitecustomize.py: DDP_TEST_
 (contexts and memory per GPU and module output dtypes, per process, at exit) and
 DDP_TEST_INF_GRAD_STEP (an infinite gradient on one chosen step)."""
 import math
+import re
 import sys
 
 import pytest
@@ -24,6 +25,7 @@ from conftest import N_TEST, ROOT, load_on_cpu, optimizer_steps, read_metrics, r
 
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from ddpkit import machine  # noqa: E402
 
 
 def run_script(*args, **kwargs):
@@ -129,6 +131,8 @@ def test_ddp_scripts_train_on_nccl(script, nproc, tiny_mnist, tmp_path):
     for w in ws:
         assert w["device"] == w["rank"]  # rank r on GPU r
         assert f"{CONV} float32" in w["outputs"] and f"{CONV} float16" not in w["outputs"]
+        if script == "spawn_ddp.py":  # its share of the cores, as on a CPU (torchrun: 1)
+            assert w["threads"] == max(1, machine.cpu_count() // nproc), w
 
 
 def test_dataparallel_uses_every_visible_gpu(tiny_mnist, tmp_path):
@@ -539,3 +543,76 @@ def test_one_precision_on_gpus_of_two_generations(tiny_mnist, tmp_path):
     for row in workers(tmp_path / "gpu"):
         assert f"{CONV} float32" in row["outputs"] and f"{CONV} bfloat16" not in row["outputs"]
     assert load_on_cpu(tmp_path / "c.pt")["args"]["amp"] == "none"
+
+
+# ---- what the third review asked of a GPU (issue 53): each under about a minute -------------
+
+@pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_fsdp.py"])
+def test_a_stalled_collective_ends_the_job_and_keeps_the_snapshot(script, tiny_mnist, tmp_path):
+    """One process on NCCL. Before its 5th optimizer step its GPU sleeps 60 s, so the collective
+    that follows (the progress line's all-reduce) cannot complete; with --step-timeout 5,
+    PyTorch's watchdog ends the job: a non-zero exit within the step timeout plus 60 s of the
+    stall (the figure is printed, to be measured), the timed-out collective named, the snapshot
+    of step 4 whole, no process left behind. (On gloo: test_troubleshooting's stalled rank.)"""
+    import os
+    ck = tmp_path / ("c.pt" if script == "spawn_ddp.py" else "snap")
+    launcher = (*TORCHRUN, "--nproc-per-node=1") if script != "spawn_ddp.py" else ()
+    extra = ("--nproc-per-node", 1) if script == "spawn_ddp.py" else ()
+    run = conftest.Watched(
+        [sys.executable, *launcher, ROOT / script, *extra, "--data-dir", tiny_mnist,
+         "--batch-size", 64, "--log-interval", 5, "--save-every", 4, "--checkpoint", ck,
+         "--step-timeout", 5, "--amp", "none"],
+        conftest.script_env(gpus=True, DDP_TEST_GPU_STALL="5:60"), timeout=240)
+    t_stall, _ = run.first(r"test instrumentation: the GPU sleeps 60 s before step 5")
+    print(f"{script}: ended {run.seconds - t_stall:.1f} s after the stall, exit {run.returncode}")
+    assert run.returncode != 0 and run.seconds - t_stall < 5 + 60, run.text
+    assert re.search(r"(?i)all_?reduce", run.text) and re.search(r"(?i)time[ds]? ?out", run.text)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(run.pid, 0)  # nothing of the job's process group is left
+    if script == "spawn_ddp.py":
+        assert (load_on_cpu(ck)["epoch"], load_on_cpu(ck)["step"]) == (0, 4)
+    else:  # a DCP folder: the progress in run.json, the shards beside DCP's metadata
+        from ddpkit import checkpoint
+        assert (checkpoint.load(str(ck))["epoch"], checkpoint.load(str(ck))["step"]) == (0, 4)
+        assert (ck / ".metadata").is_file()
+
+
+def test_data_workers_on_the_gpu(tiny_mnist, tmp_path):
+    """--workers 2 with pinned memory on the GPU: the data comes from worker processes."""
+    launch("spawn_ddp.py", 1, tiny_mnist, "--workers", 2, "--metrics", tmp_path / "m.jsonl")
+    assert_trained(tmp_path / "m.jsonl", 1, 1)
+
+
+STOP_CHECK_SYNCS = r"""
+import json, warnings, torch, torch.distributed as dist
+from ddpkit import sigterm
+gpu = torch.device("cuda", 0)
+torch.cuda.set_device(gpu)
+dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=gpu)
+stop = sigterm.StopSignal("c.pt", gpu, steps=100)
+stop.agree = True  # one process: the agreement's all-reduce runs as on many
+def syncs(step):
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        stop(step)
+    torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in seen)
+print(json.dumps([syncs(1), syncs(2), syncs(3), stop.next]))
+stop.close()
+dist.destroy_process_group()
+"""
+
+
+def test_the_stop_check_syncs_the_gpu_once_per_check_and_not_between(tmp_path):
+    """sigterm.StopSignal on a GPU (torch's sync debug mode counts the host syncs): at most one
+    per check (its all-reduce's answer, .tolist()), none between checks."""
+    import json
+    import subprocess
+    r = subprocess.run([sys.executable, "-c", STOP_CHECK_SYNCS], cwd=ROOT, text=True,
+                       capture_output=True, timeout=120, env=conftest.script_env(gpus=True))
+    assert r.returncode == 0, r.stderr
+    first, second, between, next_check = json.loads(r.stdout.splitlines()[-1])
+    assert next_check > 3, r.stdout  # steps 1 and 2 were checks, step 3 is not
+    assert first <= 1 and second <= 1 and between == 0, r.stdout  # before 53: 2, 2, 0
