@@ -143,13 +143,15 @@ def spawn_store(args, place, store_file, device):
 
 def torchrun_store(args, place, device):
     """The store that init_process_group would make from torchrun's environment (MASTER_ADDR,
-    MASTER_PORT), after the meeting (`meet`), under the prefix of this round. One process: one
-    in memory."""
+    MASTER_PORT), without torch 2.4's prefix (this node's restart count, which a replaced node
+    does not share), after the meeting (`meet`), under the prefix of this round. One process:
+    one in memory."""
     if place.nproc == place.world_size:
         on_loopback()
     if place.world_size == 1:
         return dist.HashStore()
     store = next(dist.rendezvous("env://", timeout=timedelta(seconds=args.join_timeout)))[0]
+    store = getattr(store, "underlying_store", store)  # 2.4: a PrefixStore; 2.15: the store
     return meet(store, place, args, backend(device))
 
 

@@ -114,5 +114,8 @@ def worker_init(worker_id):
 # ---- spawn_ddp.py's launcher ----------------------------------------------------------------
 
 def forward(processes):
-    """A SIGTERM to the launcher alone (`kill PID`) goes on to its processes, which stop."""
-    signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in processes])
+    """A SIGTERM to the launcher alone (`kill PID`) goes on to its processes, which stop; a
+    second one kills them (one stuck in a collective runs no Python handler, and cannot)."""
+    sent = []  # the list is made (terminate, or kill once one was sent) before it is appended
+    signal.signal(signal.SIGTERM, lambda *_: sent.append(
+        [p.kill() if sent else p.terminate() for p in processes if p.is_alive()]))

@@ -210,6 +210,37 @@ class Watched:
         pytest.fail(f"no line matches {pattern!r}:\n{self.text}")
 
 
+def two_ranks_one_device(device, tmp_path):
+    """tests/two_ranks_one_device.py on `device` ("cpu" or "cuda"): what each rank saw, checked
+    for what holds on both devices. An infinite gradient in rank 1 alone skips step 2 in both
+    (one loss scale, halved there; one model), a SIGTERM seen by rank 1 alone stops both, and
+    reduce_tensor averages the ranks."""
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "two_ranks_one_device.py"), device,
+                        str(tmp_path)], env=script_env(gpus=device != "cpu", OMP_NUM_THREADS=1),
+                       text=True, capture_output=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    first = rows[0]["scales"][0]
+    assert [row["scales"] for row in rows] == [[first, first / 2, first / 2]] * 2, rows
+    assert rows[0]["weights"] == rows[1]["weights"]
+    assert [row["stopped"] for row in rows] == [True, True]
+    assert [row["mean"] for row in rows] == [0.5, 0.5]
+    assert "warning" not in r.stderr.lower(), r.stderr
+    return rows
+
+
+def session_processes(sid, wait=10):
+    """Live processes left in a session (zombies awaiting their reaper do not count)."""
+    deadline = time.monotonic() + wait
+    while True:
+        ps = subprocess.run(["ps", "-o", "stat=,args=", "-s", str(sid)], capture_output=True,
+                            text=True).stdout.splitlines()
+        alive = [p for p in ps if not p.strip().startswith("Z")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
 def read_records(directory, name):
     rows = []
     for f in sorted(Path(directory).glob(f"{name}-*.jsonl")):

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from ddpkit import checkpoint, data, sigterm
 from conftest import NO_BF16, ROOT, Watched, family, free_port, load, process_group, \
-    read_metrics, read_records, run_script, script_env, threads, with_task
+    read_metrics, read_records, run_script, script_env, threads, two_ranks_one_device, with_task
 
 ARGS = ("--batch-size", 32, "--log-interval", 1000)  # 19 steps an epoch on the tiny MNIST
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
@@ -296,6 +296,15 @@ def test_nothing_of_the_checkpoint_stays_mapped_after_a_resume(tiny_mnist, tmp_p
     maps = read_records(rec, "maps")
     assert len(maps) == 2 and all(row["files"] for row in maps), maps  # it sees mapped files
     assert [f for row in maps for f in row["files"] if str(ck) in f] == []
+
+
+def test_two_ranks_on_one_device_agree_over_gloo(tmp_path):
+    """Two ranks on one CPU (conftest.two_ranks_one_device: the fp16 overflow of one rank, the
+    stop check, reduce_tensor; test_cuda.py runs it on one GPU, with SyncBatchNorm). Here plain
+    BatchNorm's statistics stay each rank's own, as DDP broadcasts no buffers in it: what the
+    GPU run's SyncBatchNorm must make equal."""
+    rows = two_ranks_one_device("cpu", tmp_path)
+    assert rows[0]["bn"] == "BatchNorm2d" and rows[0]["running_mean"] != rows[1]["running_mean"]
 
 
 def test_the_torchrun_batch_file_gives_its_workers_most_of_the_warning(monkeypatch):

@@ -12,11 +12,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, load, read_metrics, run_script, \
-    script_env, threads
+from conftest import ROOT, assert_same_training_state, load, process_group, read_metrics, \
+    run_script, script_env, session_processes, threads
 
 pytestmark = pytest.mark.slow
 
@@ -146,3 +147,28 @@ def test_slow_steps_still_stop_within_torchruns_grace(tiny_mnist, tmp_path):
     snap = load(ckpt)
     assert snap["epoch"] == 0 and 2 <= snap["step"] <= 5, snap["step"]
     assert took < 25, took  # two steps and the write, not the 30 s torchrun gives
+
+
+def test_a_second_sigterm_to_spawns_launcher_ends_a_rank_stuck_in_a_collective(tiny_mnist,
+                                                                                tmp_path):
+    """Rank 1 sleeps 60 s before its third step (its own slow work); rank 0 waits for it in a
+    collective, where no Python handler runs. A SIGTERM to the launcher reaches both and stops
+    neither; a second one kills them: the job ends at once, not at --step-timeout (30 s here)
+    or after the sleep, and leaves no process behind."""
+    cmd = command("spawn_ddp.py", tiny_mnist, tmp_path / "c.pt")
+    env = script_env(DDP_TEST_STALL="1:3:60", **threads("spawn_ddp.py"))
+    with process_group(cmd, env) as proc:
+        for line in proc.stderr:
+            if line.startswith("test instrumentation: rank 1 sleeps 60 s"):
+                break
+        time.sleep(2)  # rank 0 is in its next collective by now
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone, as `kill PID` does
+        time.sleep(3)
+        assert proc.poll() is None  # the first SIGTERM stopped neither
+        second = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - second
+    assert took < 10 and proc.returncode == 1, (took, err)
+    assert "error: killed by SIGKILL" in err, err
+    assert not session_processes(proc.pid)  # nothing of the job is left

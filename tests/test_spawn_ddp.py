@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import N_TEST, N_TRAIN, ROOT, busy_port, free_port, \
-    load, read_metrics, read_records, run_script, script_env
+    load, read_metrics, read_records, run_script, script_env, session_processes
 
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
@@ -225,18 +225,6 @@ def test_ctrl_c_stops_every_process_cleanly(tmp_path):
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in err
     assert not session_processes(proc.pid)  # no orphaned workers
-
-
-def session_processes(sid, wait=10):
-    """Live processes left in a session (zombies awaiting their reaper do not count)."""
-    deadline = time.monotonic() + wait
-    while True:
-        ps = subprocess.run(["ps", "-o", "stat=,args=", "-s", str(sid)], capture_output=True,
-                            text=True).stdout.splitlines()
-        alive = [p for p in ps if not p.strip().startswith("Z")]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.5)
 
 
 # ---- bad input: one line, non-zero exit, within seconds ------------------------------------

@@ -109,6 +109,31 @@ def test_pytorchjob_pods_with_rank_and_world_size_only_train_as_torchrun(tiny_mn
     assert [row["world_size"] for row in read_metrics(out / "m.jsonl")] == [2]
 
 
+def test_nodes_of_different_restart_counts_meet_in_the_agents_store(tiny_mnist, tmp_path):
+    """Two nodes of one process whose agents count restarts differently (a survivor at 1, its
+    replacement at 0) and host their store (TORCHELASTIC_USE_AGENT_STORE, as torchrun's static
+    rendezvous does; here this test hosts it). torch 2.4's env:// put each node under a prefix
+    of its count, where they never met (launch.torchrun_store takes it off; 2.15 has none).
+    CI's oldest-torch run includes this test."""
+    import torch.distributed as dist
+    from datetime import timedelta
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60))
+    env = script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, LOCAL_RANK=0,
+                     LOCAL_WORLD_SIZE=1, TORCHELASTIC_USE_AGENT_STORE="True",
+                     OMP_NUM_THREADS=1)
+    cmd = [sys.executable, str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size",
+           "64", "--join-timeout", "30", "--metrics", str(tmp_path / "m.jsonl")]
+    with process_group(cmd, {**env, "RANK": "0", "GROUP_RANK": "0",
+                             "TORCHELASTIC_RESTART_COUNT": "1"}, tmp_path) as node0:
+        with process_group(cmd, {**env, "RANK": "1", "GROUP_RANK": "1",
+                                 "TORCHELASTIC_RESTART_COUNT": "0"}, tmp_path) as node1:
+            outs = [p.communicate(timeout=120) for p in (node0, node1)]
+    del agent
+    assert [node0.returncode, node1.returncode] == [0, 0], outs
+    assert [row["world_size"] for row in read_metrics(tmp_path / "m.jsonl")] == [2]
+
+
 def test_old_local_rank_spelling_is_accepted():
     """Launchers before torch 2.0 pass `--local_rank=N` (the legacy test covers `--local-rank`).
     The script's real main(), stopped where training would start (tests/run_mains.py)."""
