@@ -220,8 +220,7 @@ def load_data(store, place, args, task):
     process of each machine prepares the data (a download), the others wait for it, then each
     makes its own. A process that fails says so in the store, and the others end at once with a
     line that names it (they would wait --timeout in init_process_group for it)."""
-    node, keys, failed = f"prepared/{place.node}", [f"loaded/{r}" for r in range(
-        place.world_size)], "failed"
+    node, keys = f"prepared/{place.node}", [f"loaded/{r}" for r in range(place.world_size)]
     try:
         if place.local_rank == 0:
             try:
@@ -229,9 +228,11 @@ def load_data(store, place, args, task):
             finally:  # the others go on, and fail by themselves if it did
                 store.set(node, "")
         store.wait([node], timedelta(seconds=args.timeout))
-        datasets, failed = task.make_datasets(args), ""
-    finally:
-        store.set(keys[place.rank], failed)
+        datasets = task.make_datasets(args)
+    except BaseException:
+        store.set(keys[place.rank], "failed")
+        raise
+    store.set(keys[place.rank], "")
     store.wait(keys, timedelta(seconds=args.timeout))
     lost = [str(r) for r, key in enumerate(keys) if store.get(key)]
     if lost:

@@ -116,6 +116,7 @@ def worker_init(worker_id):
 def forward(processes):
     """A SIGTERM to the launcher alone (`kill PID`) goes on to its processes, which stop; a
     second one kills them (one stuck in a collective runs no Python handler, and cannot)."""
-    sent = []  # the list is made (terminate, or kill once one was sent) before it is appended
-    signal.signal(signal.SIGTERM, lambda *_: sent.append(
-        [p.kill() if sent else p.terminate() for p in processes if p.is_alive()]))
+    def stop(*_):  # from the first on, a SIGTERM kills them
+        [p.terminate() for p in processes if p.is_alive()]
+        signal.signal(signal.SIGTERM, lambda *_: [p.kill() for p in processes if p.is_alive()])
+    signal.signal(signal.SIGTERM, stop)

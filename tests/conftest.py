@@ -216,7 +216,9 @@ def two_ranks_one_device(device, tmp_path):
     (one loss scale, halved there; one model), a SIGTERM seen by rank 1 alone stops both, and
     reduce_tensor averages the ranks."""
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "two_ranks_one_device.py"), device,
-                        str(tmp_path)], env=script_env(gpus=device != "cpu", OMP_NUM_THREADS=1),
+                        str(tmp_path)], env=script_env(gpus=device != "cpu", OMP_NUM_THREADS=1,
+                                                  DDP_TEST_INF_GRAD_STEP=2,
+                                                  DDP_TEST_INF_GRAD_RANK=1),
                        text=True, capture_output=True, timeout=180)
     assert r.returncode == 0, r.stderr
     rows = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]

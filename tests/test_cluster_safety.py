@@ -283,7 +283,7 @@ def test_a_node_whose_data_fails_ends_the_job_before_any_joins_the_group(tiny_mn
 
 
 def test_nothing_of_the_checkpoint_stays_mapped_after_a_resume(tiny_mnist, tmp_path):
-    """The checkpoint is read mapped (torch.load(mmap=True)), and after restore nothing points
+    """The checkpoint is read mapped (checkpoint.load), and after restore nothing points
     into it: on the CPU the optimizer's state came back as views of the file's pages (Adam's
     moments and steps), which kept it mapped for the whole run (on NFS, the file replaced by the
     next save then lingers as .nfs*)."""

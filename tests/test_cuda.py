@@ -568,10 +568,12 @@ def test_a_stalled_collective_ends_the_job_and_keeps_the_snapshot(script, tiny_m
     assert re.search(r"(?i)all_?reduce", run.text) and re.search(r"(?i)time[ds]? ?out", run.text)
     assert not conftest.session_processes(run.pid)  # nothing of the job is left
     if script == "spawn_ddp.py":
-        assert (load_on_cpu(ck)["epoch"], load_on_cpu(ck)["step"]) == (0, 4)
+        snapshot = load_on_cpu(ck)
+        assert (snapshot["epoch"], snapshot["step"]) == (0, 4)
     else:  # a DCP folder: the progress in run.json, the shards beside DCP's metadata
         from ddpkit import checkpoint
-        assert (checkpoint.load(str(ck))["epoch"], checkpoint.load(str(ck))["step"]) == (0, 4)
+        progress = checkpoint.load(str(ck))
+        assert (progress["epoch"], progress["step"]) == (0, 4)
         assert (ck / ".metadata").is_file()
 
 

@@ -1,8 +1,9 @@
 """Two ranks on gloo sharing one device: `python tests/two_ranks_one_device.py DEVICE OUT`
 (DEVICE: cpu, or cuda for one GPU, where NCCL refuses two ranks but gloo takes CUDA tensors).
 Each rank trains common.Net under DDP for 3 steps on its own inputs, with a GradScaler and an
-infinite gradient in rank 1 alone at step 2, then runs the stop check (a SIGTERM seen by rank 1
-only) and reduce_tensor, and writes what it saw to OUT/rank{R}.json. On cuda the model's
+infinite gradient in rank 1 alone at step 2 (DDP_TEST_INF_GRAD_STEP and _RANK of the test
+instrumentation, set by conftest.two_ranks_one_device), then runs the stop check (a SIGTERM
+seen by rank 1 only) and reduce_tensor, and writes what it saw to OUT/rank{R}.json. On cuda the model's
 BatchNorm is SyncBatchNorm (its gloo path) and the steps run under fp16 autocast; DDP does not
 broadcast buffers, so equal statistics on both ranks come from SyncBatchNorm alone.
 tests/test_cuda.py runs it on a GPU, tests/test_cluster_safety.py on the CPU."""
@@ -20,18 +21,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import common  # noqa: E402
 from ddpkit import sigterm  # noqa: E402
-
-
-class InfiniteGradient(torch.autograd.Function):
-    """The identity, whose backward sends +inf: an fp16 overflow in one rank's backward."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.full_like(grad, float("inf"))
 
 
 def rank_main(rank, device, store, out):
@@ -55,8 +44,6 @@ def rank_main(rank, device, store, out):
         with torch.autocast(device.type, dtype=torch.float16, enabled=cuda):
             loss = nn.functional.cross_entropy(ddp(inputs[step].to(device)),
                                                target[step].to(device))
-        if rank == 1 and step == 1:
-            loss = InfiniteGradient.apply(loss)
         scaler.scale(loss).backward()  # DDP all-reduces over gloo: rank 1's inf reaches rank 0
         scaler.step(optimizer)
         scaler.update()

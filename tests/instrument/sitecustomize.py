@@ -380,8 +380,9 @@ if RECORD:
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU instrumentation (tests/test_cuda.py, tests/test_real_apex.py). Like the above, each part is
-# off unless its variable is set, and changes nothing but what its line says:
+# GPU instrumentation (tests/test_cuda.py, tests/test_real_apex.py; the infinite gradient also
+# serves tests/two_ranks_one_device.py on the CPU). Like the above, each part is off unless its
+# variable is set, and changes nothing but what its line says:
 #
 #   DDP_TEST_INF_GRAD_STEP=N  the N-th training loss that F.cross_entropy computes in a process
 #                             (counting only losses that build a graph) keeps its value but gets
@@ -440,12 +441,12 @@ if os.environ.get("DDP_TEST_INF_GRAD_STEP"):
     torch.nn.functional.cross_entropy = _overflowing_cross_entropy
 
 if os.environ.get("DDP_TEST_GPU_STALL"):
+    import torch
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     _gpu_stall_step, _gpu_stall_s = os.environ["DDP_TEST_GPU_STALL"].split(":")
     _gpu_steps = [0]
 
     def _gpu_stall(*_):
-        import torch
         _gpu_steps[0] += 1
         if _gpu_steps[0] == int(_gpu_stall_step):
             print(f"test instrumentation: the GPU sleeps {_gpu_stall_s} s before step "
