@@ -3,6 +3,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -68,39 +70,190 @@ def threads(script):
     return {} if Path(script).name == "dp_baseline.py" else {"OMP_NUM_THREADS": 1}
 
 
-@pytest.fixture(scope="session")
-def straight(tiny_mnist, tmp_path_factory):
-    """Runs that nothing interrupts, trained once per session and shared by every test that
-    compares with one: straight(nproc, batch, epochs) is the folder of its final checkpoint
-    `c.pt`, its metrics `m.jsonl` and its records `rec/` (tests/instrument). One process:
-    dp_baseline.py with every core; more: torchrun_ddp.py with one thread per process, which
-    trains exactly what spawn_ddp.py, apex_ddp.py's native O0 path, two nodes of one process
-    and two SLURM nodes train at that world size (tests compare them bit for bit). Under
-    pytest-xdist (`-n 2`) the test processes share them too: the first to ask trains, under a
-    lock, in the folder the workers' temporary folders have in common."""
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "straight"
-    shared.mkdir(exist_ok=True)
+# ---- Runs shared by the whole session: one run, many assertions (docs/maintainers.md) -------
 
-    def get(nproc, batch, epochs):
-        d = shared / f"{nproc}x-batch{batch}-epochs{epochs}"
+TRAIN = ("--batch-size", 32, "--epochs", 2)  # 19 steps an epoch on the tiny MNIST (600 images)
+TORCHRUN2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory):
+    """once(name, make): make(folder) runs once in the session, in whichever test process asks
+    first, under a file lock; every other test, in any process, gets the folder it filled.
+    Under pytest-xdist the folder is in the one the workers' temporary folders share. A make
+    that fails leaves nothing, and the next test to ask tries again."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+
+    def once(name, make):
+        d = root / name
         with FileLock(f"{d}.lock"):
             if not (d / "done").exists():
                 shutil.rmtree(d, ignore_errors=True)  # a run that failed half-way
                 (d / "rec").mkdir(parents=True)
-                args = ("--data-dir", tiny_mnist, "--batch-size", batch, "--epochs", epochs,
-                        "--log-interval", 5, "--checkpoint", d / "c.pt",
-                        "--metrics", d / "m.jsonl")
-                if nproc == 1:
-                    run_script("dp_baseline.py", *args, record=d / "rec",
-                               **threads("dp_baseline.py"))
-                else:
-                    run_script("torchrun_ddp.py", *args, record=d / "rec",
-                               **threads("torchrun_ddp.py"),
-                               launcher=("-m", "torch.distributed.run", "--standalone",
-                                         f"--nproc-per-node={nproc}"))
+                make(d)
                 (d / "done").touch()
         return d
+    return once
+
+
+def keep(d, name, result):
+    """A finished launch's exit code and output, as a shared run's file."""
+    (d / f"{name}.json").write_text(json.dumps(
+        {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}))
+
+
+def kept(d, name):
+    return subprocess.CompletedProcess([], **json.loads((d / f"{name}.json").read_text()))
+
+
+@pytest.fixture(scope="session")
+def straight(tiny_mnist, shared):
+    """Runs that nothing interrupts, at global batch 32 for 2 epochs unless asked: straight(nproc,
+    epochs, accumulate) is a folder with its final checkpoint `c.pt`, its metrics `m.jsonl`, its
+    records `rec/` (tests/instrument) and its output (`kept(d, "run")`). One process:
+    dp_baseline.py with every core; more: torchrun_ddp.py with one thread per process, which
+    trains exactly what spawn_ddp.py, apex_ddp.py's native path in fp32, torchrun_fsdp.py in fp32,
+    two nodes of one process and two SLURM nodes train at that world size (tests compare them
+    bit for bit)."""
+    def get(nproc, epochs=2, accumulate=1):
+        script = "dp_baseline.py" if nproc == 1 else "torchrun_ddp.py"
+
+        def make(d):
+            keep(d, "run", run_script(
+                script, "--data-dir", tiny_mnist, *TRAIN[:2], "--epochs", epochs, "--accumulate",
+                accumulate, "--log-interval", 5, "--checkpoint", d / "c.pt", "--metrics",
+                d / "m.jsonl", record=d / "rec",  # torchrun's one thread a process, as asked
+                launcher=TORCHRUN2[:-1] + (f"--nproc-per-node={nproc}",) if nproc > 1 else ()))
+        return shared(f"straight-{nproc}x-epochs{epochs}-accumulate{accumulate}", make)
+    return get
+
+
+# script: (launcher, its own flags, the straight run it ends as: (nproc, accumulate))
+PREEMPTED = {
+    "spawn_ddp.py": ((), ("--nproc-per-node", 2, "--workers", 2, "--accumulate", 2), (2, 2)),
+    "torchrun_ddp.py": (TORCHRUN2, ("--workers", 2, "--accumulate", 2), (2, 2)),
+    "torchrun_fsdp.py": (TORCHRUN2, ("--workers", 2, "--accumulate", 2), (2, 2)),
+    "apex_ddp.py": (TORCHRUN2, (), (2, 1)),  # its native path, O1: fp32 on these CPUs
+    "dp_baseline.py": ((), ("--workers", 2), (1, 1)),
+}
+# spawn_ddp.py's first run: rank 0's CPU computes bfloat16, rank 1's does not (tests/instrument),
+# and the modules' output dtypes are recorded: --amp auto picks fp32 for the whole job
+# (test_cluster_safety.py's test_one_precision_for_the_whole_job)
+STOPPED_ENV = {"spawn_ddp.py": {"DDP_TEST_CPU_FEATURES": "avx512_bf16=1,amx_bf16=1",
+                                "DDP_TEST_CPU_FEATURES_OF": f"1:{NO_BF16}"}}
+
+
+@pytest.fixture(scope="session")
+def preempted(tiny_mnist, shared):
+    """preempted(script): the script's run stopped by SIGTERM to every process of the job (its
+    data workers too, as SLURM and torchrun's os.killpg send it) once rank 0 logged step 5 of
+    epoch 1, and the same command again (with --resume where the script does not resume by
+    itself), which trains to the end. A folder with: the two launches' outputs
+    (`kept(d, "stopped")`, `kept(d, "resumed")`), the snapshot's position (`snapshot.json`),
+    the checkpoint after the resume (`c.pt`, or torchrun_fsdp.py's folder `snap` and
+    `converted.pt`), the resumed run's metrics (`m.jsonl`), the records of each (`rec1/` with
+    DDP_TEST_GPU_RECORD, `rec/` with DDP_TEST_ALLREDUCE_LOG: tests/instrument). Its straight
+    run: PREEMPTED[script][2]. Shared by the tests of every file that checks something of it."""
+    def get(script):
+        launcher, extra, _ = PREEMPTED[script]
+
+        def make(d):
+            ckpt = d / ("snap" if script == "torchrun_fsdp.py" else "c.pt")
+            group = () if script == "dp_baseline.py" else ("--timeout", 77)
+            cmd = [sys.executable, *launcher, str(ROOT / script), "--data-dir", str(tiny_mnist),
+                   *map(str, (*TRAIN, "--log-interval", 1, *group, *extra)), "--checkpoint",
+                   str(ckpt), "--metrics", str(d / "m.jsonl")]
+            (d / "rec1").mkdir()
+            env = script_env(record=d / "rec1", block="apex", DDP_TEST_STEP_DELAY=0.1,
+                             DDP_TEST_GPU_RECORD=d / "rec1", **threads(script),
+                             **STOPPED_ENV.get(script, {}))
+            keep(d, "stopped", sigterm_when(cmd, "epoch 1/2 step 5/", env))
+            position = json.loads((ckpt / "run.json").read_text()) if ckpt.is_dir() else \
+                torch.load(ckpt, weights_only=True)
+            (d / "snapshot.json").write_text(json.dumps(
+                {"epoch": position["epoch"], "step": position["step"], "left": sorted(
+                    p.name for p in d.iterdir() if p.name.startswith(ckpt.name))}))
+            resume = [] if launcher else ["--resume"]  # torchrun's scripts resume by themselves
+            proc = subprocess.run(cmd + resume, cwd=ROOT, text=True, capture_output=True,
+                                  timeout=240, env=script_env(
+                                      record=d / "rec", block="apex", **threads(script),
+                                      DDP_TEST_ALLREDUCE_LOG=d / "rec"))
+            keep(d, "resumed", proc)
+            if ckpt.is_dir():  # as torch's converter makes it one file, once
+                torch.save(load(ckpt), d / "converted.pt")
+        return shared(f"preempted-{script}", make)
+    return get
+
+
+def final(d):
+    """The checkpoint a shared run ended with, as a file's: `converted.pt` for a DCP folder."""
+    return torch.load(d / "converted.pt", weights_only=True) if (d / "converted.pt").exists() \
+        else load(d / "c.pt")
+
+
+@pytest.fixture(scope="session")
+def first_epoch(tiny_mnist, shared):
+    """Epoch 1 of 2 at 2 processes (spawn_ddp.py, TRAIN's flags, one thread each), stopped
+    there (--stop-after 1): the checkpoint `c.pt` that tests continue, copy or refuse to
+    continue (copy it to write to it)."""
+    def make(d):
+        run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--nproc-per-node", 2, *TRAIN,
+                   "--stop-after", 1, "--checkpoint", d / "c.pt", OMP_NUM_THREADS=1)
+    return shared("first-epoch", make) / "c.pt"
+
+
+# tasks/NAME.py: its flags (8 steps an epoch at 2 processes), and those of every run of it
+TASKS = {"text": ("--samples", 512, "--batch-size", 64),
+         "regression": ("--samples", 1024, "--batch-size", 128)}
+TASK_RUN = ("--workers", 2, "--epochs", 2, "--log-interval", 1)
+
+
+def given(d, name):
+    """How conftest.task_run gives the task: (its --task, the PYTHONPATH it needs). The text
+    task as a module of a package outside the checkout (--task mypkg.text), the regression as
+    a file there."""
+    if name == "text":
+        return "mypkg.text", [d / "lib"]
+    return d / "task" / f"{name}.py", []
+
+
+@pytest.fixture(scope="session")
+def task_run(shared):
+    """task_run(name): tasks/NAME.py copied outside the checkout (`given`) and trained by
+    spawn_ddp.py from there, 2 processes of one thread, TASK_RUN's flags, nothing interrupting
+    it: a folder with `c.pt`, `m.jsonl` and the output (`kept(d, "run")`), for
+    test_other_tasks.py and test_fsdp.py."""
+    def get(name):
+        def make(d):
+            task, path = given(d, name)
+            copy = d / "lib" / "mypkg" / "text.py" if path else Path(task)
+            copy.parent.mkdir(parents=True)
+            if path:
+                (copy.parent / "__init__.py").write_text("")
+            shutil.copy(ROOT / "tasks" / f"{name}.py", copy)
+            keep(d, "run", run_script(
+                "spawn_ddp.py", "--task", task, *TASKS[name], *TASK_RUN, "--nproc-per-node", 2,
+                "--checkpoint", d / "c.pt", "--metrics", d / "m.jsonl", cwd=d, timeout=300,
+                pythonpath=path, OMP_NUM_THREADS=1))
+        return shared(f"task-{name}", make)
+    return get
+
+
+@pytest.fixture(scope="session")
+def lesson_run(tiny_mnist, shared):
+    """The README's lesson pair, trained once for test_lesson.py and test_smoke.py:
+    lesson_run("one_process") or lesson_run("ddp") (2 processes under torchrun), 2 epochs at
+    global batch 32: a folder with its checkpoint `c.pt`, its records `rec/` and its output
+    (`kept(d, "run")`)."""
+    def get(name):
+        def make(d):
+            keep(d, "run", run_script(
+                f"lesson/{name}.py", "--data-dir", tiny_mnist, *TRAIN, "--checkpoint", d / "c.pt",
+                launcher=TORCHRUN2 if name == "ddp" else (), record=d / "rec", timeout=180,
+                OMP_NUM_THREADS=1))
+        return shared(f"lesson-{name}", make)
     return get
 
 
@@ -250,6 +403,17 @@ def read_records(directory, name):
     return rows
 
 
+def agreements(records):
+    """How many times each rank ran the SIGTERM stop agreement (sigterm.StopSignal): its
+    all-reduces of 2 numbers (the stop flag and the pace) in float32, in `records`
+    (tests/instrument); the evaluation's sums are float64."""
+    checks = {}
+    for r in read_records(records, "all_reduce"):
+        if r["shape"] == [2] and r["dtype"] == "float32":
+            checks[r["rank"]] = checks.get(r["rank"], 0) + 1
+    return checks
+
+
 def max_rel_diff(a, b):
     """The largest difference between two state dicts' float tensors, relative to the largest
     value of the tensor in `b`."""
@@ -287,6 +451,18 @@ def load(path):
     ckpt["optimizer"]["state"] = {names.index(k): v for k, v in
                                   ckpt["optimizer"]["state"].items()}
     return {**json.loads((Path(path) / "run.json").read_text()), **ckpt}
+
+
+def correct_of(state, data, layout=torch.channels_last):
+    """How many of the test samples in `data` (tiny MNIST's folder) a model state gets right,
+    computed here in one process, in the memory layout the scripts train MNIST in (or another)."""
+    import common
+    model = common.Net().eval().to(memory_format=layout)
+    model.load_state_dict(state)
+    test_set = common.make_datasets(types.SimpleNamespace(dummy=False, data_dir=str(data)))[1]
+    with torch.no_grad():
+        output = model(test_set.images.to(memory_format=layout))
+    return int((output.argmax(1) == test_set.labels).sum())
 
 
 def assert_same_training_state(a, b):
@@ -352,13 +528,16 @@ def process_group(cmd, env, cwd=ROOT):
 def sigterm_when(cmd, line_start, env, cwd=ROOT, timeout=180):
     """Runs `cmd` as a process group of its own and, once a line of its output starts with
     `line_start`, sends SIGTERM to the whole group (data workers included, as torchrun's
-    os.killpg and SLURM's scancel do); returns (the rest of stdout, stderr) when it has ended."""
+    os.killpg and SLURM's scancel do); returns the CompletedProcess once it has ended."""
     with process_group(cmd, env, cwd) as proc:
+        out = []
         for line in proc.stdout:
+            out.append(line)
             if line.startswith(line_start):
                 break
         os.killpg(proc.pid, signal.SIGTERM)
-        return proc.communicate(timeout=timeout)
+        rest, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out) + rest, err)
 
 
 def wait_for(condition, timeout, what):
@@ -369,17 +548,43 @@ def wait_for(condition, timeout, what):
         time.sleep(0.01)
 
 
+MAINS = {}  # (script, its environment): a tests/run_mains.py of this test process, still running
+
+
 def run_mains(script, cases, timeout=240, **extra_env):
-    """Each case ({"argv": [...], "env": {...}}) through `script`'s real main() in one process
-    (tests/run_mains.py): a list of results with "code", "stdout", "stderr", "started"."""
-    lines = "".join(json.dumps(case) + "\n" for case in cases)
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "run_mains.py"), str(ROOT / script)],
-                       input=lines, capture_output=True, text=True, cwd=ROOT,
-                       env=script_env(**extra_env), timeout=timeout)
-    assert p.returncode == 0, p.stderr
-    results = [json.loads(line) for line in p.stdout.splitlines()]
-    assert len(results) == len(cases), p.stdout
+    """Each case ({"argv": [...], "env": {...}}) through `script`'s real main() in a process of
+    its own (tests/run_mains.py): a list of results with "code", "stdout", "stderr", "started".
+    One such process per script and environment serves every test of this test process, case
+    after case (its start-up, torch's import, once)."""
+    key = (script, json.dumps({k: str(v) for k, v in extra_env.items()}, sort_keys=True))
+    if key not in MAINS or MAINS[key].poll() is not None:
+        log = tempfile.TemporaryFile("w+")
+        MAINS[key] = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "run_mains.py"), str(ROOT / script)], cwd=ROOT,
+            env=script_env(**extra_env), text=True, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=log)
+        MAINS[key].log = log
+    proc, results = MAINS[key], []
+    for case in cases:
+        proc.stdin.write(json.dumps(case) + "\n")
+        proc.stdin.flush()
+        ready = select.select([proc.stdout], [], [], timeout)[0]
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            proc.kill()
+            proc.log.seek(0)
+            pytest.fail(f"tests/run_mains.py {script} gave no result for {case} within "
+                        f"{timeout} s:\n{proc.log.read()}")
+        results.append(json.loads(line))
     return results
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _end_mains():
+    yield
+    for proc in MAINS.values():  # each case ended: nothing of theirs to finish
+        proc.kill()
+        proc.wait()
 
 
 # ---- GPU tests (test_cuda.py, test_real_apex.py): read what GPU runs wrote, on the CPU ---------

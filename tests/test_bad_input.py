@@ -8,6 +8,7 @@ one process and stops a run at the point where work would begin (reading the tra
 spawning workers, starting a subprocess). Real launches of the same checks, one per failure
 class, follow the table."""
 import os
+import random
 import re
 import shutil
 import signal
@@ -18,11 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import common
 from conftest import N_TEST, N_TRAIN, ROOT, make_tiny_mnist, run_mains, run_script, \
     script_env, wait_for, write_idx
 
 SCRIPTS = ("dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py", "torchrun_fsdp.py")
 DDP = SCRIPTS[1:]
+FILE_FORM = SCRIPTS[:4]  # a checkpoint file (torchrun_fsdp.py's is a folder: test_fsdp.py)
 TORCHRUN_RANK_0_OF_2 = {"RANK": "0", "WORLD_SIZE": "2"}  # what torchrun tells the first of 2
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 
@@ -33,6 +36,12 @@ def rows(tmp, data):
     folder, existing = str(tmp / "a-folder"), str(tmp / "existing.pt")
     os.makedirs(folder, exist_ok=True)
     Path(existing).write_bytes(b"another run's checkpoint")
+    garbage, cut, other = (str(tmp / name) for name in ("garbage.pt", "cut.pt", "other.pt"))
+    Path(garbage).write_bytes(random.Random(0).randbytes(4096))
+    whole = tmp / "whole.pt"  # a checkpoint of this model, then its first half alone
+    torch.save({"model": common.Net().state_dict(), "epoch": 1}, whole)
+    Path(cut).write_bytes(whole.read_bytes()[:whole.stat().st_size // 2])
+    torch.save({"model": torch.nn.Linear(784, 10).state_dict(), "epoch": 1}, other)
     table = [
         (SCRIPTS, ["--task", str(tmp / "no-such-task.py")], {}, "--task"),
         (SCRIPTS, ["--task", "no_such_module.task"], {}, "--task"),
@@ -59,6 +68,9 @@ def rows(tmp, data):
         (SCRIPTS, ["--resume"], {}, "--resume"),
         (SCRIPTS, ["--evaluate"], {}, "--evaluate"),
         (SCRIPTS, ["--checkpoint", str(tmp / "none.pt"), "--resume"], {}, "no checkpoint"),
+        (FILE_FORM, ["--checkpoint", garbage, "--resume"], {}, f"{garbage} is corrupt"),
+        (FILE_FORM, ["--checkpoint", cut, "--evaluate"], {}, f"{cut} is corrupt or truncated"),
+        (FILE_FORM, ["--checkpoint", other, "--evaluate"], {}, f"{other} does not fit this model"),
         (SCRIPTS, ["--checkpoint", "/proc/x/c.pt"], {}, "--checkpoint"),  # cannot create
         (SCRIPTS, ["--checkpoint", "/proc/c.pt"], {}, "--checkpoint"),    # cannot write there
         (SCRIPTS, ["--checkpoint", folder], {}, "--checkpoint"),          # a folder
@@ -167,18 +179,24 @@ def malformed(tmp, data):
 
 @pytest.fixture(scope="module")
 def table(tiny_mnist, tmp_path_factory):
-    """Runs every row through tests/run_mains.py, one process per script: the results, in the
-    order of rows(), each with the text its error line must contain."""
+    """Runs every row through tests/run_mains.py, one process per script, and then the task
+    files that do not import (test_a_task_that_does_not_import_is_bad_input): ({row: (result,
+    the text its error line must contain)}, {script: (files, results)})."""
     tmp = tmp_path_factory.mktemp("bad")
-    cases = rows(tmp, tiny_mnist)
-    results = [None] * len(cases)
+    cases, files = rows(tmp, tiny_mnist), {}
+    for case, (text, *_) in TASKS_THAT_DO_NOT_IMPORT.items():
+        files[case] = tmp / f"task_{case}.py"
+        files[case].write_text(text)
+    results, tasks = [None] * len(cases), {}
     for script in sorted({c[0] for c in cases}):
         mine = [i for i, c in enumerate(cases) if c[0] == script]
         ran = run_mains(script, [{"argv": argv if "--data-dir" in argv else ["--dummy", *argv],
-                                  "env": env} for _, argv, env, _ in (cases[i] for i in mine)])
-        for i, result in zip(mine, ran, strict=True):
+                                  "env": env} for _, argv, env, _ in (cases[i] for i in mine)]
+                        + [{"argv": ["--task", str(f)]} for f in files.values()])
+        for i, result in zip(mine, ran[:len(mine)], strict=True):
             results[i] = (result, cases[i][3])
-    return results
+        tasks[script] = (files, ran[len(mine):])
+    return results, tasks
 
 
 def pytest_generate_tests(metafunc):
@@ -192,7 +210,7 @@ def pytest_generate_tests(metafunc):
 
 
 def test_bad_input_is_one_line_before_anything_starts(table, row):
-    result, text = table[row]
+    result, text = table[0][row]
     where = f"{' '.join(result['argv'])}\nstdout:\n{result['stdout']}\nstderr:\n{result['stderr']}"
     assert not result["started"], f"work started despite the bad input: {where}"
     assert result["code"] == 2, where
@@ -213,15 +231,11 @@ TASKS_THAT_DO_NOT_IMPORT = {  # a task file's text, the error, its line, what sh
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_a_task_that_does_not_import_is_bad_input(tmp_path, script):
+def test_a_task_that_does_not_import_is_bad_input(table, script):
     """A task file with a syntax error, or whose import fails, is bad input: the error, the
     task's file and line, its source line and the caret under it; exit code 2, nothing started,
     and none of the scripts' frames (nor importlib's)."""
-    files = {}
-    for case, (text, *_) in TASKS_THAT_DO_NOT_IMPORT.items():
-        files[case] = tmp_path / f"task_{case}.py"
-        files[case].write_text(text)
-    results = run_mains(script, [{"argv": ["--task", str(f)]} for f in files.values()])
+    files, results = table[1][script]
     for (case, (_, error, line, shown)), r in zip(TASKS_THAT_DO_NOT_IMPORT.items(), results):
         lines = r["stderr"].rstrip().splitlines()
         assert r["code"] == 2 and not r["started"], (case, r)

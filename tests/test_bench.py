@@ -80,7 +80,9 @@ def test_bench_compares_workers_and_the_stop_agreement(tiny_mnist):
 
 def test_bench_compares_environments_and_another_checkout(tiny_mnist, tmp_path):
     """--with-env (variables set for a second run of each configuration) and --against a copy
-    of the scripts (another commit's, in real use)."""
+    of the scripts (another commit's, in real use). Without Linux's APIs (DDP_TEST_NOT_LINUX,
+    tests/instrument: no affinity mask, no /proc), as on a macOS or Windows laptop
+    (test_portability.py): the machine line still names the CPU's bfloat16 features."""
     other = tmp_path / "other"
     other.mkdir()
     for f in ROOT.glob("*.py"):
@@ -88,7 +90,10 @@ def test_bench_compares_environments_and_another_checkout(tiny_mnist, tmp_path):
     shutil.copytree(ROOT / "ddpkit", other / "ddpkit")
     r = run_script("bench.py", "--data-dir", tiny_mnist, "--reps", 1, "--batch-size", 64,
                    "--scripts", "dp_baseline", "--world-sizes", 1,
-                   "--with-env", "BENCH_TEST_VARIABLE=1", "--against", other, timeout=400)
+                   "--with-env", "BENCH_TEST_VARIABLE=1", "--against", other, timeout=400,
+                   DDP_TEST_NOT_LINUX=1)
+    machine = next(ln for ln in r.stdout.splitlines() if ln.startswith("Machine:"))
+    assert "BF16" in machine, machine  # the CPU features, read without /proc
     labels = {row[0] for row in table_rows(r.stdout)}
     assert labels == {f"dp_baseline{e}{a}" for e in ("", " +env") for a in ("", f" @{other}")}
     for what in (r"with \+env / without", rf"with @{re.escape(str(other))} / with the scripts here"):

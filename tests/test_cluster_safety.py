@@ -18,6 +18,7 @@
 import math
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 
@@ -26,105 +27,57 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddpkit import checkpoint, data, sigterm
-from conftest import NO_BF16, ROOT, Watched, family, free_port, load, process_group, \
-    read_metrics, read_records, run_script, script_env, threads, two_ranks_one_device, with_task
+from conftest import ROOT, Watched, agreements, family, free_port, kept, load, process_group, \
+    read_metrics, read_records, script_env, threads, two_ranks_one_device, with_task
 
 ARGS = ("--batch-size", 32, "--log-interval", 1000)  # 19 steps an epoch on the tiny MNIST
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
-BF16 = "avx512_bf16=1,amx_bf16=1"
 CONV = "torch.nn.modules.conv.Conv2d"
 
 
-def agreements(records):
-    """The stop agreement's all-reduces per rank: 2 numbers (a flag and a pace) in float32 (the
-    evaluation's sums are float64)."""
-    checks = {}
-    for r in read_records(records, "all_reduce"):
-        if r["shape"] == [2] and r["dtype"] == "float32":
-            checks[r["rank"]] = checks.get(r["rank"], 0) + 1
-    return checks
-
-
-@pytest.mark.slow
-def test_the_stop_agreement_is_about_once_a_second_on_the_training_group(tiny_mnist, tmp_path):
-    """2 epochs of 19 fast steps at 2 processes: with --checkpoint, the processes all-reduce a
-    tensor of two numbers (the stop flag and the pace) at an epoch's first and last steps and
-    about once a second between: as often in each process, at most 3 + the epoch's seconds per
-    epoch; they make no process group. (Without --checkpoint a SIGTERM stops at once: no
-    agreement, test_init_process_group_gets_a_store_that_waits_the_timeout's run.)"""
-    run_script("spawn_ddp.py", "--data-dir", tiny_mnist, *ARGS, "--epochs", 2, "--checkpoint",
-               tmp_path / "c.pt", "--metrics", tmp_path / "m.jsonl", record=tmp_path)
-    assert not read_records(tmp_path, "group")  # no process group but training's
-    seconds = [row["epoch_seconds"] for row in read_metrics(tmp_path / "m.jsonl")]
-    checks = agreements(tmp_path)
+def test_the_stop_agreement_is_about_once_a_second_on_the_training_group(preempted):
+    """spawn_ddp.py's shared run (conftest.preempted), resumed with --checkpoint: the processes
+    all-reduce a tensor of two numbers (the stop flag and the pace) at an epoch's first and last
+    steps and about once a second between: as often in each process, at most 3 + the epoch's
+    seconds per epoch; they make no process group. (Steps longer than a second: every step,
+    test_slow_steps_still_stop_within_torchruns_grace; without --checkpoint a SIGTERM stops at
+    once, no agreement: test_sigterm_without_checkpoint_stops_cleanly.)"""
+    d = preempted("spawn_ddp.py")
+    assert not read_records(d / "rec", "group")  # no process group but training's
+    seconds = [row["epoch_seconds"] for row in read_metrics(d / "m.jsonl")]
+    checks = agreements(d / "rec")
     assert set(checks) == {0, 1} and checks[0] == checks[1], checks
     assert 2 * 2 <= checks[0] <= sum(3 + math.ceil(s / sigterm.AGREE_EVERY) for s in seconds)
 
 
-@pytest.mark.slow
-def test_with_steps_longer_than_a_second_every_step_is_agreed(tiny_mnist, tmp_path):
-    """Steps of 1.2 s (DDP_TEST_STEP_DELAY): the pace sets the next agreement one step away, in
-    both processes, so that a SIGTERM never waits more than a step (test_preemption.py)."""
-    run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 128, "--epochs", 1,
-               "--checkpoint", tmp_path / "c.pt", record=tmp_path, DDP_TEST_STEP_DELAY=1.2)
-    assert agreements(tmp_path) == {0: 5, 1: 5}  # 5 steps
-
-
-@pytest.mark.parametrize("script,launcher", [
-    ("spawn_ddp.py", ()), ("spawn_ddp.py", ("--master-port", "PORT")),
-    pytest.param("torchrun_ddp.py", TORCHRUN, marks=pytest.mark.slow),
-    pytest.param("apex_ddp.py", TORCHRUN, marks=pytest.mark.slow)], ids=[
-    "spawn-file", "spawn-tcp", "torchrun", "apex"])
-def test_init_process_group_gets_a_store_that_waits_the_timeout(tiny_mnist, tmp_path, script,
-                                                                launcher):
-    """--join-timeout 7 bounds the processes' meeting, before init_process_group; the store that
-    init_process_group is given then waits --timeout 77, as the collectives do: NCCL fetches
-    its unique id through it inside that call, so a node still preparing its data when the
-    others are there must not fail the start-up (on GPUs: test_cuda.py's late rank)."""
-    extra = ["--nproc-per-node", 2] if script == "spawn_ddp.py" else []
-    if "PORT" in launcher:
-        extra += ["--master-port", free_port()]
-    run_script(script, "--data-dir", tiny_mnist, *ARGS, "--epochs", 1, *extra,
-               "--join-timeout", 7, "--timeout", 77, record=tmp_path,
-               launcher=launcher if script != "spawn_ddp.py" else (), block="apex")
-    inits = read_records(tmp_path, "init")
+@pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py", pytest.param(
+    "apex_ddp.py", marks=pytest.mark.slow)])
+def test_init_process_group_gets_a_store_that_waits_the_timeout(preempted, script):
+    """The store that init_process_group is given waits --timeout (77 in the shared runs, the
+    join timeout 600 by default), as the collectives do: NCCL fetches its unique id through it
+    inside that call, so a node still preparing its data when the others are there must not
+    fail the start-up (on GPUs: test_cuda.py's late rank). --join-timeout bounds the meeting
+    before it (test_missing_peer_fails_within_the_join_timeout). spawn_ddp.py on one machine
+    meets in a file; across machines in TCP: test_two_nodes_on_one_machine."""
+    inits = read_records(preempted(script) / "rec", "init")
     assert sorted(r["rank"] for r in inits) == [0, 1]
     assert {r["store_timeout"] for r in inits} == {77}, inits
-    assert not agreements(tmp_path)  # no --checkpoint: a SIGTERM stops at once, no agreement
 
 
-def test_one_precision_for_the_whole_job(tiny_mnist, tmp_path):
-    """--amp auto: rank 0's CPU computes bfloat16, rank 1's does not (tests/instrument). The
-    least capable decides, once, for the whole job: both train in fp32 (their modules' outputs
-    are float32), it is said once, and the checkpoint records it."""
-    run = run_script("spawn_ddp.py", "--data-dir", tiny_mnist, *ARGS, "--epochs", 1,
-                     "--checkpoint", tmp_path / "c.pt", DDP_TEST_GPU_RECORD=tmp_path,
-                     DDP_TEST_CPU_FEATURES=BF16, DDP_TEST_CPU_FEATURES_OF=f"1:{NO_BF16}")
-    said = [ln for ln in run.stdout.splitlines() if ln.startswith("precision: ")]
+def test_one_precision_for_the_whole_job(preempted):
+    """--amp auto: rank 0's CPU computes bfloat16, rank 1's does not (spawn_ddp.py's shared run
+    before its stop, tests/instrument). The least capable decides, once, for the whole job:
+    both train in fp32 (their modules' outputs are float32), it is said once, and the
+    checkpoint records it."""
+    d = preempted("spawn_ddp.py")
+    said = [ln for ln in kept(d, "stopped").stdout.splitlines() if ln.startswith("precision: ")]
     assert said == ["precision: fp32, as the device of rank(s) 1 has no bfloat16 arithmetic and "
-                    "all train in one precision (--amp auto; --amp none: fp32)"], run.stdout
-    ranks = [r for r in read_records(tmp_path, "gpu") if r["rank"] is not None]
+                    "all train in one precision (--amp auto; --amp none: fp32)"], said
+    ranks = [r for r in read_records(d / "rec1", "gpu") if r["rank"] is not None]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for r in ranks:
         assert f"{CONV} float32" in r["outputs"] and f"{CONV} bfloat16" not in r["outputs"], r
-    assert load(tmp_path / "c.pt")["args"]["amp"] == "none"
-
-
-@pytest.mark.slow
-def test_a_resume_keeps_the_precision_of_its_run(tiny_mnist, tmp_path):
-    """A run begun in bf16 (every CPU computes it), continued with --amp auto on CPUs that do not:
-    it goes on in bf16, says so, and warns that this CPU is slower at it; bf16 saves no loss
-    scale (only fp16 needs one: test_the_schedule_waits_for_a_step_that_fp16_skipped)."""
-    flags = ["--data-dir", tiny_mnist, *ARGS, "--epochs", 2, "--checkpoint", tmp_path / "c.pt"]
-    run_script("spawn_ddp.py", *flags, "--stop-after", 1, DDP_TEST_CPU_FEATURES=BF16)
-    run = run_script("spawn_ddp.py", *flags, "--resume", DDP_TEST_GPU_RECORD=tmp_path)
-    assert "precision: bf16 autocast, the precision the checkpoint was trained in (--amp auto)" \
-        in run.stdout, run.stdout
-    assert "warning: --amp bf16 on this CPU is slower than fp32" in run.stderr, run.stderr
-    assert all(f"{CONV} bfloat16" in r["outputs"] for r in read_records(tmp_path, "gpu")
-               if r["rank"] is not None)
-    ckpt = load(tmp_path / "c.pt")
-    assert ckpt["args"]["amp"] == "bf16" and not ckpt["scaler"]
+    assert load(d / "c.pt")["args"]["amp"] == "none"
 
 
 def shm_mapped(pid):
@@ -146,21 +99,19 @@ def test_data_workers_are_forked_before_the_group_and_share_the_dataset(tmp_path
     """spawn_ddp.py with MNIST's synthetic data (190 MB of float32 per process) and 2 workers
     per process: every fork happens while no process group exists (no gloo thread runs), and
     no process maps more than a few batches from /dev/shm (a fork server or spawn would map the
-    whole dataset into each worker)."""
+    whole dataset into each worker, as they start), seen over the first 30 steps; then SIGTERM
+    ends the run (without --checkpoint: at once, exit code 143)."""
     cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), "--dummy", "--workers", "2",
            "--epochs", "1", "--batch-size", "256", "--log-interval", "10"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=script_env(record=tmp_path))
-    most = 0
-    try:
+    most, seen = 0, 0
+    with process_group(cmd, script_env(record=tmp_path), tmp_path) as proc:
         for line in proc.stdout:
             if line.startswith("epoch 1/1 step"):
-                most = max([most] + [shm_mapped(p) for p in family(proc.pid)])
-        proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, proc.stderr.read()
+                most, seen = max([most] + [shm_mapped(p) for p in family(proc.pid)]), seen + 1
+                if seen == 3:
+                    os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    assert seen == 3 and proc.returncode == 143, err
     assert most and most < 32 << 20, most  # bytes
     forks = read_records(tmp_path, "fork")
     assert len(forks) >= 2 * (2 + 2)  # 2 processes, each 2 training and 2 test workers
@@ -258,6 +209,7 @@ def make_datasets(args):  # rank 1's node lost its data disk
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["torchrun_ddp.py", "torchrun_fsdp.py"])
 def test_a_node_whose_data_fails_ends_the_job_before_any_joins_the_group(tiny_mnist, tmp_path,
                                                                         script):
@@ -282,22 +234,19 @@ def test_a_node_whose_data_fails_ends_the_job_before_any_joins_the_group(tiny_mn
     assert read_records(tmp_path, "init") == []  # nobody joined the group
 
 
-def test_nothing_of_the_checkpoint_stays_mapped_after_a_resume(tiny_mnist, tmp_path):
-    """The checkpoint is read mapped (checkpoint.load), and after restore nothing points
-    into it: on the CPU the optimizer's state came back as views of the file's pages (Adam's
-    moments and steps), which kept it mapped for the whole run (on NFS, the file replaced by the
-    next save then lingers as .nfs*)."""
-    ck, rec = tmp_path / "c.pt", tmp_path / "rec"
-    rec.mkdir()
-    run_script("spawn_ddp.py", "--data-dir", tiny_mnist, *ARGS, "--epochs", 2, "--stop-after",
-               1, "--checkpoint", ck, **threads("spawn_ddp.py"))
-    run_script("spawn_ddp.py", "--data-dir", tiny_mnist, *ARGS, "--epochs", 2, "--checkpoint",
-               ck, "--resume", record=rec, **threads("spawn_ddp.py"))
-    maps = read_records(rec, "maps")
+def test_nothing_of_the_checkpoint_stays_mapped_after_a_resume(preempted):
+    """The checkpoint is read mapped (checkpoint.load), and after restore nothing points into
+    it: on the CPU the optimizer's state came back as views of the file's pages (Adam's moments
+    and steps), which kept it mapped for the whole run (on NFS, the file replaced by the next
+    save then lingers as .nfs*). spawn_ddp.py's shared run, resumed: what each process maps as
+    it leaves its group."""
+    d = preempted("spawn_ddp.py")
+    maps = read_records(d / "rec", "maps")
     assert len(maps) == 2 and all(row["files"] for row in maps), maps  # it sees mapped files
-    assert [f for row in maps for f in row["files"] if str(ck) in f] == []
+    assert [f for row in maps for f in row["files"] if str(d / "c.pt") in f] == []
 
 
+@pytest.mark.slow
 def test_two_ranks_on_one_device_agree_over_gloo(tmp_path):
     """Two ranks on one CPU (conftest.two_ranks_one_device: the fp16 overflow of one rank, the
     stop check, reduce_tensor; test_cuda.py runs it on one GPU, with SyncBatchNorm). Here plain

@@ -277,6 +277,46 @@ def test_the_port_of_a_store_that_just_ended_is_free_but_a_listening_one_is_not(
     del again
 
 
+class Payload:
+    """What a checkpoint may carry besides tensors: unpickling it runs code."""
+
+    def __reduce__(self):
+        return exec, ("import builtins; builtins.payload_ran = True",)
+
+
+def test_a_checkpoint_is_read_weights_only(tmp_path):
+    """checkpoint.load refuses a file that holds anything but tensors and plain values, in one
+    line, without running what unpickling it would run; a plain one it reads."""
+    import builtins
+    torch.save({"model": {}, "epoch": 1, "note": Payload()}, tmp_path / "c.pt")
+    with pytest.raises(common.Fatal, match="corrupt or truncated"):
+        checkpoint.load(tmp_path / "c.pt")
+    assert not hasattr(builtins, "payload_ran")
+    torch.save({"model": {"w": torch.ones(2)}, "epoch": 1}, tmp_path / "c.pt")
+    assert checkpoint.load(tmp_path / "c.pt")["epoch"] == 1
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    """A write that fails half-way (the disk filled, here: torch.save writes half its bytes and
+    raises ENOSPC) is one line, and the previous checkpoint stays as it was, with no temporary
+    file beside it. (Real full disks: test_full_disk_keeps_the_previous_snapshot.)"""
+    import errno
+    path = tmp_path / "c.pt"
+    checkpoint.save({"model": {"w": torch.zeros(1000)}, "epoch": 1}, path)
+    before, save = path.read_bytes(), torch.save
+
+    def half_then_full(obj, f, *args, **kwargs):
+        save(obj, f, *args, **kwargs)
+        f.seek(len(before) // 2)
+        f.truncate()
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", half_then_full)
+    with pytest.raises(common.Fatal, match=r"could not write the checkpoint .* \(No space left on "
+                       r"device\); the previous one, if any, is intact"):
+        checkpoint.save({"model": {"w": torch.ones(1000)}, "epoch": 2}, path)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["c.pt"]
+
+
 def test_one_process_resumes_only_when_asked_and_found(tmp_path):
     args = argparse.Namespace(checkpoint=str(tmp_path / "c.pt"), evaluate=False, seed=0,
                               amp="none", task=None, resume=True)

@@ -102,20 +102,37 @@ def test_dropout_differs_per_rank(two_processes):
     assert all(a != b for a, b in zip(by_rank[0], by_rank[1]))  # every step, other masks
 
 
-def test_one_process_accumulating_two_draws_what_two_processes_draw(repo, tiny_mnist,
-                                                                  two_processes, tmp_path):
+@pytest.fixture(scope="module")
+def one_process(repo, tiny_mnist, tmp_path_factory):
+    """spawn_ddp.py, 1 process accumulating 2 micro-batches, 2 data workers: the logs and the
+    checkpoint."""
+    d = tmp_path_factory.mktemp("one")
+    train(repo, d / "log", "--nproc-per-node", 1, "--accumulate", 2, "--workers", 2,
+          "--checkpoint", d / "c.pt", data=tiny_mnist)
+    return d
+
+
+def test_one_process_accumulating_two_draws_what_two_processes_draw(one_process, two_processes):
     """Augmentation and dropout, with data workers on one side and none on the other: the same
     draws, so the same training up to float rounding (BatchNorm's running statistics aside,
     test_accumulate.py says why)."""
-    train(repo, tmp_path / "log", "--nproc-per-node", 1, "--accumulate", 2, "--workers", 2,
-          "--checkpoint", tmp_path / "c.pt", data=tiny_mnist)
-    assert by_sample(tmp_path / "log") == by_sample(two_processes / "log")
+    assert by_sample(one_process / "log") == by_sample(two_processes / "log")
     ones, twos = ({row["seed"]: row["mask"] for row in logs(d, "dropout")}
-                  for d in (tmp_path / "log", two_processes / "log"))
+                  for d in (one_process / "log", two_processes / "log"))
     assert ones == twos  # micro-batch k draws what rank k of 2 processes draws
-    a, b = load(tmp_path / "c.pt")["model"], load(two_processes / "c.pt")["model"]
+    a, b = load(one_process / "c.pt")["model"], load(two_processes / "c.pt")["model"]
     trained = [k for k in a if "running_" not in k and "num_batches" not in k]
     assert max_rel_diff({k: a[k] for k in trained}, {k: b[k] for k in trained}) < 1e-4
+
+
+def test_the_check_leaves_no_trace(repo, tiny_mnist, one_process, tmp_path):
+    """The task (random augmentation, dropout, BatchNorm; appended to common.py: the way of
+    defining a task before --task, which still works) trains the same model with the test batch
+    evaluated before training and without it (DDP_TEST_NO_CHECK): one process, as above (the
+    batch is each process's own)."""
+    train(repo, tmp_path / "log", "--nproc-per-node", 1, "--accumulate", 2, "--workers", 2,
+          "--checkpoint", tmp_path / "c.pt", data=tiny_mnist, DDP_TEST_NO_CHECK=1)
+    assert_same_training_state(load(tmp_path / "c.pt"), load(one_process / "c.pt"))
 
 
 def test_sigterm_to_every_process_with_workers_then_an_exact_resume(repo, tiny_mnist,
@@ -128,8 +145,8 @@ def test_sigterm_to_every_process_with_workers_then_an_exact_resume(repo, tiny_m
     log.mkdir()
     cmd = [sys.executable, *TORCHRUN, str(repo / "torchrun_ddp.py"), "--data-dir",
            str(tiny_mnist), *map(str, ARGS), "--workers", "2", "--checkpoint", str(ckpt)]
-    _, err = sigterm_when(cmd, "epoch 1/2 step 5/", script_env(
-        DDP_TEST_STEP_DELAY=0.1, DDP_TEST_TASK_LOG=log, OMP_NUM_THREADS=1), timeout=120)
+    err = sigterm_when(cmd, "epoch 1/2 step 5/", script_env(
+        DDP_TEST_STEP_DELAY=0.1, DDP_TEST_TASK_LOG=log, OMP_NUM_THREADS=1), timeout=120).stderr
     assert "DataLoader worker" not in err and "preempted: stopped on SIGTERM" in err, err
     snap = load(ckpt)
     assert snap["epoch"] == 0 and snap["step"] >= 5

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, assert_same_training_state, load, make_tiny_mnist, process_group, \
-    read_metrics, run_mains, run_script, script_env, wait_for, workers_of
+from conftest import ROOT, TASK_RUN, TASKS, assert_same_training_state, given, load, \
+    make_tiny_mnist, process_group, read_metrics, run_mains, run_script, script_env, wait_for, \
+    workers_of
 
 SCRIPT = "torchrun_fsdp.py"
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone")
@@ -55,8 +56,8 @@ def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist
            str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size", "32", "--epochs",
            "2", "--save-every", "6", "--log-interval", "100", "--timeout", "30",
            "--checkpoint", str(snap)]
-    env = script_env(DDP_TEST_STEP_DELAY=0.05, DDP_TEST_SLOW_SAVE=0.05)  # each tensor DCP
-    with process_group(cmd, env) as proc:  # writes takes 0.05 s more: a save, about 2 s
+    env = script_env(DDP_TEST_STEP_DELAY=0.05, DDP_TEST_SLOW_SAVE=0.02)  # each tensor DCP
+    with process_group(cmd, env) as proc:  # writes takes 0.02 s more: a save, about 1 s
         wait_for(lambda: second.is_dir() and any(second.iterdir()), 90, "the second snapshot")
         os.kill(workers_of(proc.pid)[0], signal.SIGKILL)
         assert not (second / ".metadata").exists()  # cut off, unfinished
@@ -67,7 +68,7 @@ def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist
     resumed = [ln for ln in out.splitlines() if ln.startswith(f"loaded {snap}")]
     assert resumed and "0 epoch(s) + 6 step(s)" in resumed[0], out  # in the middle of an epoch
     fsdp = load(snap)  # as torch's converter makes it a file
-    assert_same_training_state(load(straight(2, 32, 2) / "c.pt"), fsdp)  # fp32: the issue asks 1e-4
+    assert_same_training_state(load(straight(2) / "c.pt"), fsdp)  # fp32: the issue asks 1e-4
     common.Net().load_state_dict(fsdp["model"])  # strict
     shards = [p.stat().st_size for p in snap.glob("*.distcp")]  # one per process, each about
     assert len(shards) == 2 and max(shards) < 0.6 * sum(shards), shards  # half the state
@@ -169,11 +170,12 @@ def test_full_disk_keeps_the_previous_snapshot(tiny_mnist, small_disk):
 
 
 @pytest.mark.slow
-def test_a_task_of_its_own_trains_as_under_ddp(tmp_path):
+def test_a_task_of_its_own_trains_as_under_ddp(task_run, tmp_path):
     """tasks/text.py (dict samples, a padding collate, a Transformer with dropout): FSDP2 over
-    the default units trains torchrun_ddp.py's model, bit for bit in fp32."""
-    flags = ("--task", ROOT / "tasks" / "text.py", "--samples", 128, "--batch-size", 32,
-             "--workers", 2)
-    run(None, *flags, "--checkpoint", tmp_path / "ddp.pt", script="torchrun_ddp.py")
-    run(None, *flags, "--checkpoint", tmp_path / "snap")
-    assert_same_training_state(load(tmp_path / "ddp.pt"), load(tmp_path / "snap"))
+    the default units trains what DDP trains (conftest.task_run's spawn_ddp.py run), bit for
+    bit in fp32."""
+    d = task_run("text")
+    task, path = given(d, "text")
+    run(None, "--task", task, *TASKS["text"], *TASK_RUN, "--checkpoint", tmp_path / "snap",
+        pythonpath=path)
+    assert_same_training_state(load(d / "c.pt"), load(tmp_path / "snap"))

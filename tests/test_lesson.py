@@ -5,12 +5,11 @@ sample once, and leave one checkpoint written by one process that a plain model 
 lesson needs torch, torchvision and the standard library: nothing of this repository."""
 import importlib.util
 import re
-import sys
 
 import pytest
 import torch
 
-from conftest import N_TEST, ROOT, load, read_records, run_script
+from conftest import N_TEST, ROOT, kept, load, read_records, run_script
 from test_readme import changed_lines
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
@@ -29,23 +28,22 @@ def epochs(stdout):
     return [LINE.match(line).groups() for line in stdout.splitlines() if line.startswith("epoch")]
 
 
-def test_one_process_trains_and_saves_a_plain_model(tiny_mnist, tmp_path):
-    r = run_script("lesson/one_process.py", "--data-dir", tiny_mnist, "--epochs", 2,
-                   "--batch-size", 32, "--checkpoint", tmp_path / "c.pt", timeout=120)
-    rows = epochs(r.stdout)
-    assert [e for e, *_ in rows] == ["1", "2"], r.stdout
-    assert int(rows[-1][4]) == N_TEST and float(rows[-1][2]) > 80, r.stdout  # learnable digits
-    lesson().Net().load_state_dict(load(tmp_path / "c.pt")["model"])  # strict: plain keys
+def test_one_process_trains_and_saves_a_plain_model(lesson_run):
+    """conftest.lesson_run's run of lesson/one_process.py (2 epochs at batch 32)."""
+    d = lesson_run("one_process")
+    rows = epochs(kept(d, "run").stdout)
+    assert [e for e, *_ in rows] == ["1", "2"], rows
+    assert int(rows[-1][4]) == N_TEST and float(rows[-1][2]) > 80, rows  # learnable digits
+    lesson().Net().load_state_dict(load(d / "c.pt")["model"])  # strict: plain keys
 
 
-def test_ddp_shards_reshuffles_agrees_and_writes_once(tiny_mnist, tmp_path):
-    rec = tmp_path / "rec"
-    rec.mkdir()
-    r = run_script("lesson/ddp.py", "--data-dir", tiny_mnist, "--epochs", 2, "--batch-size",
-                   32, "--checkpoint", tmp_path / "c.pt", launcher=TORCHRUN, record=rec,
-                   timeout=180, OMP_NUM_THREADS=1)
-    rows = epochs(r.stdout)  # printed by rank 0 alone
-    assert [e for e, *_ in rows] == ["1", "2"], r.stdout
+def test_ddp_shards_reshuffles_agrees_and_writes_once(lesson_run):
+    """conftest.lesson_run's run of lesson/ddp.py: 2 processes under torchrun, 2 epochs at
+    batch 32, recorded (tests/instrument)."""
+    d = lesson_run("ddp")
+    rec = d / "rec"
+    rows = epochs(kept(d, "run").stdout)  # printed by rank 0 alone
+    assert [e for e, *_ in rows] == ["1", "2"], rows
     assert all(int(total) == N_TEST for *_, total in rows), rows  # each test sample once
     assert float(rows[-1][2]) > 80, rows
     shards = {(s["epoch"], s["rank"]): s["indices"] for s in read_records(rec, "sampler")}
@@ -57,11 +55,12 @@ def test_ddp_shards_reshuffles_agrees_and_writes_once(tiny_mnist, tmp_path):
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])  # one model
     saves = read_records(rec, "save")
     assert len({s["pid"] for s in saves if "final-rank" not in s["path"]}) == 1, saves
-    saved = load(tmp_path / "c.pt")["model"]
+    saved = load(d / "c.pt")["model"]
     lesson().Net().load_state_dict(saved)  # the plain model's keys, no "module." prefix
     assert all(torch.equal(saved[k], finals[0][k]) for k in saved)  # the last weights
 
 
+@pytest.mark.slow
 def test_three_processes_report_the_whole_test_set_and_the_mean_loss(tiny_mnist, tmp_path):
     """3 processes on a test set that 3 does not divide (101 samples), 4 steps: the printed
     counts are the saved model's on the whole test set, evaluated here in one process, and the
@@ -105,6 +104,7 @@ def test_the_lesson_imports_nothing_of_the_repository():
         assert "sys.path" not in text, name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.__version__ < (2, 7),
                     reason="FSDP2 on a CPU needs torch 2.7")
 def test_fsdp_chapter_evaluates_evenly_and_says_what_it_saved(tiny_mnist, tmp_path):

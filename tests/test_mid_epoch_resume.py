@@ -1,7 +1,8 @@
 """--save-every in the scripts without an elastic agent: the whole job is killed in the middle
 of an epoch (a preempted machine), then `--resume` continues from the snapshot's step and ends
-exactly where an uninterrupted run ends, with and without data-loading worker processes.
-(torchrun_ddp.py resumes by itself: see its tests.)"""
+exactly where an uninterrupted run ends: with data-loading worker processes, and in
+spawn_ddp.py with --accumulate 2. (Without workers, from a SIGTERM's snapshot: test_smoke.py's
+apex_ddp.py run; torchrun_ddp.py resumes by itself: see its tests.)"""
 import os
 import signal
 import subprocess
@@ -20,19 +21,15 @@ ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interval", 
 
 
 @pytest.mark.parametrize("script,procs", [("spawn_ddp.py", ["--nproc-per-node", 2, "--timeout", 30,
-                                                            "--workers", 2]),
-                                          ("spawn_ddp.py", ["--nproc-per-node", 2, "--timeout", 30,
-                                                            "--accumulate", 2]),
+                                                            "--workers", 2, "--accumulate", 2]),
                                           ("dp_baseline.py", ["--workers", 2])],
-                         ids=["spawn-workers2", "spawn-accumulate", "dp_baseline-workers2"])
+                         ids=["spawn-workers2-accumulate2", "dp_baseline-workers2"])
 def test_killed_job_resumes_mid_epoch_bit_identical(tiny_mnist, tmp_path, straight, script, procs):
+    """The reference: conftest.straight's run of that training (torchrun_ddp.py at 2 processes
+    with --accumulate 2, dp_baseline.py in one), which nothing interrupted."""
     args = ["--data-dir", tiny_mnist, *ARGS, *procs]
     one_thread = threads(script)  # as in conftest's straight runs
-    if "--accumulate" in procs:  # a training of its own
-        run_script(script, *args, "--checkpoint", tmp_path / "straight.pt", **one_thread)
-        reference = tmp_path / "straight.pt"
-    else:  # the training conftest's straight run does at this world size
-        reference = straight(2 if script == "spawn_ddp.py" else 1, 32, 2) / "c.pt"
+    reference = (straight(2, accumulate=2) if script == "spawn_ddp.py" else straight(1)) / "c.pt"
 
     snap = tmp_path / "snap.pt"
     cmd = [sys.executable, str(ROOT / script), *map(str, args), "--checkpoint", str(snap)]

@@ -2,116 +2,105 @@
 text classification with dict samples of 5 to 60 tokens, a padding collate and a small
 Transformer (tasks/text.py; 512 samples here, a small tensor each), and regression with the
 test RMSE as its metric (tasks/regression.py). Each is copied outside the checkout and run
-from there, one after the other in the same checkout: each trains through spawn_ddp.py with 2
+from there (conftest.task_run, shared with test_fsdp.py), the text task as a module of a
+package (--task mypkg.text), the regression as a file: each trains through spawn_ddp.py with 2
 processes and --workers 2, is stopped by SIGTERM to every process in the middle of an epoch and
 resumes bit-identically (text under spawn_ddp.py, regression under torchrun_ddp.py: each
-launcher's stop is the same code for any task, test_preemption.py), and --evaluate reports
-the task's own metric.
-A task given as a module name works the same; a task that does not fit fails in one line,
-with its own frames under it, before the first step; the check leaves no trace."""
+launcher's stop is the same code for any task, test_preemption.py), and --evaluate reports the
+task's own metric. A task that does not fit fails in one line, with its own frames under it,
+before the first step (the check leaves no trace: test_data_loading.py)."""
 import re
-import shutil
 import sys
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, load, read_metrics, read_records, \
-    run_script, script_env, sigterm_when, with_task
+from conftest import ROOT, TASK_RUN, TASKS, assert_same_training_state, given, kept, load, \
+    read_metrics, read_records, run_mains, run_script, script_env, sigterm_when
 
 pytestmark = pytest.mark.slow
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
-TASKS = {  # flags (8 steps an epoch at 2 processes), the metric and what it must reach, and
-    # the launcher that stops and resumes it
-    "text": (("--samples", 512, "--batch-size", 64), "test_acc", lambda v: v > 40, "spawn_ddp.py"),
-    "regression": (("--samples", 1024, "--batch-size", 128), "test_rmse", lambda v: v < 1.2,
-                   "torchrun_ddp.py"),
+METRICS = {  # the metric and what it must reach, and the launcher that stops and resumes it
+    "text": ("test_acc", lambda v: v > 40, "spawn_ddp.py"),
+    "regression": ("test_rmse", lambda v: v < 1.2, "torchrun_ddp.py"),
 }
-COMMON = ("--workers", 2, "--epochs", 2, "--log-interval", 1)
 MACHINERY = "checkpoint|data|flags|launch|machine|reporting|_ddp"  # files, less common.py
 
 
-@pytest.fixture(scope="module")
-def outside(tmp_path_factory):
-    """The shipped task files, copied into a folder outside the checkout."""
-    folder = tmp_path_factory.mktemp("my-tasks")
-    for name in TASKS:
-        shutil.copy(ROOT / "tasks" / f"{name}.py", folder / f"{name}.py")
-    return folder
+def flags(d, name):
+    """A task's run flags, as conftest.task_run gives it (outside the checkout)."""
+    return ("--task", given(d, name)[0], *TASKS[name], *TASK_RUN)
 
 
-@pytest.fixture(scope="module", params=list(TASKS))
-def task(request, outside, tmp_path_factory):
-    """--task FILE and one run of it that nothing interrupts."""
-    flags, metric, good, script = TASKS[request.param]
-    flags = ("--task", outside / f"{request.param}.py", *flags)
-    out = tmp_path_factory.mktemp(f"{request.param}-straight")
-    r = run_script("spawn_ddp.py", *COMMON, *flags, "--checkpoint", out / "c.pt", "--metrics",
-                   out / "m.jsonl", cwd=out, timeout=300)
-    assert f"task {outside / request.param}.py" in r.stdout.splitlines(), r.stdout
-    return flags, metric, good, out, script
-
-
-def test_trains_and_reports_its_own_metric(task):
-    flags, metric, good, out, _ = task
-    rows = read_metrics(out / "m.jsonl")
+@pytest.mark.parametrize("name", TASKS)
+def test_trains_and_reports_its_own_metric(task_run, tmp_path, name):
+    """conftest.task_run's run of the task: its metric in every epoch, nothing of MNIST
+    prepared. --evaluate of the regression's checkpoint reports its own metric, the RMSE."""
+    d = task_run(name)
+    metric, good, _ = METRICS[name]
+    assert f"task {given(d, name)[0]}" in kept(d, "run").stdout.splitlines()
+    rows = read_metrics(d / "m.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2] and good(rows[-1][metric]), rows
-    assert not (out / "data").exists()  # MNIST's preparation did nothing for another task
-    r = run_script("spawn_ddp.py", *flags, "--checkpoint", out / "c.pt", "--evaluate", cwd=out,
-                   timeout=300)
-    [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("epoch 2 evaluate True")]
-    assert f"{metric} {rows[-1][metric]:.4g}" in line, (line, rows[-1])
+    assert not (d / "data").exists()  # MNIST's preparation did nothing for another task
+    if name == "regression":
+        r = run_script("spawn_ddp.py", *flags(d, name), "--checkpoint", d / "c.pt",
+                       "--evaluate", cwd=tmp_path, timeout=300)
+        [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("epoch 2 evaluate True")]
+        assert f"{metric} {rows[-1][metric]:.4g}" in line, (line, rows[-1])
 
 
-def test_stopped_by_sigterm_and_resumed_bit_identical(task, tmp_path):
-    flags, _, _, out, script = task
+@pytest.mark.parametrize("name", TASKS)
+def test_stopped_by_sigterm_and_resumed_bit_identical(task_run, tmp_path, name):
+    """SIGTERM to every process in the middle of epoch 1 (text under spawn_ddp.py, regression
+    under torchrun_ddp.py: each launcher's stop is the same code for any task,
+    test_preemption.py), then the resume: it ends where conftest.task_run's run ends."""
+    d = task_run(name)
+    script = METRICS[name][2]
     ckpt = tmp_path / "c.pt"
     launch = [*TORCHRUN, str(ROOT / script)] if script == "torchrun_ddp.py" else \
         [str(ROOT / script), "--nproc-per-node", "2"]
-    cmd = [sys.executable, *launch, *map(str, COMMON + flags), "--checkpoint", str(ckpt)]
+    cmd = [sys.executable, *launch, *map(str, flags(d, name)), "--checkpoint", str(ckpt)]
     # steps slowed (same results) so that the signal lands in the middle of epoch 1
-    _, err = sigterm_when(cmd, "epoch 1/2 step 3/", script_env(DDP_TEST_STEP_DELAY=0.2),
-                          cwd=tmp_path)  # to every process, data workers too
+    err = sigterm_when(cmd, "epoch 1/2 step 3/", script_env(
+        DDP_TEST_STEP_DELAY=0.2, OMP_NUM_THREADS=1, pythonpath=given(d, name)[1]),
+        cwd=tmp_path).stderr  # to every process, data workers too
     assert "DataLoader worker" not in err, err  # (torchrun's agent prints a traceback of its own)
     assert not re.search(rf'File "[^"]*(common|{MACHINERY})\.py"', err), err
     assert [ln for ln in err.splitlines() if "preempted:" in ln], err
     snap = load(ckpt)
     assert snap["epoch"] == 0 and 3 <= snap["step"] < 8, snap["step"]  # mid-epoch 1
-    r = run_script(script, *COMMON, *flags, "--checkpoint", ckpt, "--metrics", tmp_path / "m.jsonl",
+    r = run_script(script, *flags(d, name), "--checkpoint", ckpt, "--metrics", tmp_path / "m.jsonl",
                    *(["--resume", "--nproc-per-node", 2] if script == "spawn_ddp.py" else []),
                    launcher=TORCHRUN if script == "torchrun_ddp.py" else (), cwd=tmp_path,
-                   timeout=300)
+                   timeout=300, pythonpath=given(d, name)[1], OMP_NUM_THREADS=1)
     assert f"0 epoch(s) + {snap['step']} step(s) trained" in r.stdout
-    assert_same_training_state(load(out / "c.pt"), load(ckpt))
+    assert_same_training_state(load(d / "c.pt"), load(ckpt))
     first, second = read_metrics(tmp_path / "m.jsonl")  # the resumed epoch says it is partial
     assert first["partial"] == f"steps {snap['step'] + 1}-8 of 8 (resumed)", first
     assert "partial" not in second
 
 
-def test_a_task_by_module_name_and_its_flags_in_help(outside, tiny_mnist, tmp_path):
-    """--task mypkg.text imports a module from the path; its flags show in --help; a resume
-    with another task (or none: MNIST's) is refused by the checkpoint's run, --evaluate names
-    the checkpoint's task, and no code the checkpoint names is imported."""
-    package = tmp_path / "lib" / "mypkg"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    shutil.copy(outside / "text.py", package / "text.py")
-    lib = [tmp_path / "lib"]
-    r = run_script("spawn_ddp.py", "--task", "mypkg.text", "--help", pythonpath=lib)
-    assert "--samples" in r.stdout and "--task" in r.stdout, r.stdout
-    flags = ("--task", "mypkg.text", "--samples", 256, "--batch-size", 64, "--epochs", 2)
-    r = run_script("spawn_ddp.py", *flags, "--stop-after", 1, "--checkpoint", tmp_path / "c.pt",
-                   pythonpath=lib)
-    assert "task mypkg.text" in r.stdout.splitlines(), r.stdout
-    r = run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 64, "--epochs", 2,
-                   "--checkpoint", tmp_path / "c.pt", "--resume", check=False)
-    assert r.returncode == 2 and "--task mypkg.text in the checkpoint, (not given) now" in r.stderr
+def test_a_task_by_module_name_and_its_flags_in_help(task_run, tiny_mnist):
+    """--task mypkg.text imports a module from the path and trains (conftest.task_run gives the
+    text task so); its flags show in --help; a resume with another task (or none: MNIST's) is
+    refused by the checkpoint's run, --evaluate names the checkpoint's task, and no code the
+    checkpoint names is imported (mypkg is not on the path then). The refusals and the help
+    through the scripts' real main() (tests/run_mains.py)."""
+    d = task_run("text")
+    assert "task mypkg.text" in kept(d, "run").stdout.splitlines()
+    [r] = run_mains("spawn_ddp.py", [{"argv": ["--task", "mypkg.text", "--help"]}],
+                    pythonpath=given(d, "text")[1])
+    assert r["code"] == 0 and "--samples" in r["stdout"] and "--task" in r["stdout"], r
+    ckpt = str(d / "c.pt")
+    [r] = run_mains("spawn_ddp.py", [{"argv": ["--data-dir", str(tiny_mnist), "--batch-size", "64",
+                                               "--epochs", "2", "--checkpoint", ckpt,
+                                               "--resume"]}])
+    assert r["code"] == 2 and "--task mypkg.text in the checkpoint, (not given) now" in r["stderr"]
     for script in ("spawn_ddp.py", "torchrun_ddp.py"):  # (spawn's launcher, torchrun's process)
-        r = run_script(script, "--dummy", "--checkpoint", tmp_path / "c.pt", "--evaluate",
-                       check=False)
-        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
-            f"error: {tmp_path / 'c.pt'} was trained with --task mypkg.text, this run has no "
-            "--task (MNIST): evaluate it with --task mypkg.text"), r.stderr
+        [r] = run_mains(script, [{"argv": ["--dummy", "--checkpoint", ckpt, "--evaluate"]}])
+        assert r["code"] == 2 and r["stderr"].strip().splitlines()[-1] == (
+            f"error: {ckpt} was trained with --task mypkg.text, this run has no --task "
+            "(MNIST): evaluate it with --task mypkg.text"), r
 
 
 BAD_SHAPE = """
@@ -151,27 +140,28 @@ def make_model(args):
 """
 
 
-@pytest.mark.parametrize("name,extra,said,frame", [
+@pytest.mark.parametrize("name,extra,said,frame,script", [
     ("regression", BAD_SHAPE, "loss_fn(output, target) raised UserWarning: Using a target size "
-     "(torch.Size([32, 1])) that is different to the input size (torch.Size([32]))", "loss_fn"),
+     "(torch.Size([32, 1])) that is different to the input size (torch.Size([32]))", "loss_fn",
+     "spawn_ddp.py"),
     ("text", SHORT_POSITIONS, "the model's forward raised IndexError: index out of range in self",
-     "forward"),
+     "forward", "torchrun_ddp.py"),
     ("regression", TRAIN_MODE_ONLY, "the model's forward raised RuntimeError: only in train mode",
-     "forward"),
+     "forward", "torchrun_ddp.py"),
 ], ids=["target-that-only-broadcasts", "positions-shorter-than-training-sequences",
         "a-model-that-fails-in-train-mode-only"])
-def test_a_task_that_does_not_fit_fails_in_one_line_before_training(outside, tmp_path, name,
-                                                                     extra, said, frame):
+def test_a_task_that_does_not_fit_fails_in_one_line_before_training(tmp_path, name, extra, said,
+                                                                     frame, script):
     """The run is the check: each process evaluates a test batch before training (eval mode),
     and its first training step runs the model in train mode and calls loss_fn with warnings
     as errors: one `error:` line per process, before any optimizer step and before anything is
     written, naming the part that failed, with the task's frames under it (its file and line)
-    and no "Traceback" header."""
+    and no "Traceback" header. spawn_ddp.py's 2 processes; `python torchrun_ddp.py`'s one."""
     bad = tmp_path / f"bad_{name}.py"
-    bad.write_text((outside / f"{name}.py").read_text() + extra)
+    bad.write_text((ROOT / "tasks" / f"{name}.py").read_text() + extra)
     rec = tmp_path / "rec"
     rec.mkdir()
-    r = run_script("spawn_ddp.py", "--task", bad, "--samples", 256, "--batch-size", 64,
+    r = run_script(script, "--task", bad, "--samples", 256, "--batch-size", 64,
                    "--log-interval", 1, "--checkpoint", tmp_path / "c.pt", cwd=tmp_path,
                    record=rec, check=False, timeout=300)
     assert not read_records(rec, "lr") and not (tmp_path / "c.pt").exists()
@@ -183,19 +173,3 @@ def test_a_task_that_does_not_fit_fails_in_one_line_before_training(outside, tmp
     assert f'File "{bad}", line' in r.stderr and f"in {frame}" in r.stderr, r.stderr
     assert not re.search(rf'File "[^"]*({MACHINERY})\.py"', r.stderr), r.stderr
     assert "Traceback" not in r.stderr and "step" not in r.stdout, r.stderr
-
-
-def test_the_check_leaves_no_trace(tiny_mnist, tmp_path):
-    """A task with random augmentation, dropout and BatchNorm (tests/tasks/augment_dropout.py,
-    appended to common.py: the way of defining a task before --task, which still works) trains
-    the same model with the test batch evaluated before training and without it
-    (DDP_TEST_NO_CHECK), in one process (the batch is each process's own)."""
-    repo = with_task(tmp_path / "repo",
-                     (ROOT / "tests" / "tasks" / "augment_dropout.py").read_text())
-    runs = {}
-    for name, env in (("with", {}), ("without", {"DDP_TEST_NO_CHECK": 1})):
-        run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--nproc-per-node", 1, "--epochs", 1,
-                   "--batch-size", 64, "--checkpoint", tmp_path / f"{name}.pt", repo=repo,
-                   cwd=tmp_path, timeout=300, **env)
-        runs[name] = load(tmp_path / f"{name}.pt")
-    assert_same_training_state(runs["without"], runs["with"])

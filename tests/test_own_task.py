@@ -36,8 +36,8 @@ def test_stopped_by_sigterm_and_resumed_bit_identical(uninterrupted, tmp_path, s
         [str(ROOT / script), "--nproc-per-node", "2"]
     cmd = [sys.executable, *launch, *map(str, ARGS), "--checkpoint", str(ckpt)]
     # steps slowed (same results) so that the signal lands in the middle of epoch 1
-    _, err = sigterm_when(cmd, "epoch 1/2 step 3/", script_env(DDP_TEST_STEP_DELAY=0.2),
-                          cwd=tmp_path)
+    err = sigterm_when(cmd, "epoch 1/2 step 3/", script_env(DDP_TEST_STEP_DELAY=0.2),
+                       cwd=tmp_path).stderr
     assert "DataLoader worker" not in err, err
     [line] = [ln for ln in err.splitlines() if "preempted:" in ln]
     snap = load(ckpt)

@@ -10,7 +10,7 @@ import torch
 
 from ddpkit import checkpoint, machine
 from ddpkit.launch import Place
-from conftest import NO_BF16, load, run_mains, run_script
+from conftest import NO_BF16, kept, load, run_mains
 
 BF16 = "avx512_bf16=1,amx_bf16=1"
 AUTO = [  # what the CPU has (all four features given): what --amp auto says it picks
@@ -20,7 +20,6 @@ AUTO = [  # what the CPU has (all four features given): what --amp auto says it 
     (NO_BF16, "fp32, as this CPU has no bfloat16 instructions (AVX512_BF16, AMX or ARM BF16)"),
     ("unknown", "fp32, as torch "),  # a torch that cannot tell (2.4)
 ]
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 
 
 def run(script, *cases):
@@ -70,25 +69,20 @@ def test_amp_auto_picks_bf16_only_where_the_cpu_computes_it(monkeypatch, feature
         "(--amp auto; --amp none: fp32)"), line
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("features,amp", [(NO_BF16, "none"), (BF16, "bf16")])
-def test_amp_auto_trains_in_the_precision_it_picked(tiny_mnist, tmp_path, features, amp):
-    """The job decides, once, and its processes train so: the checkpoint records it."""
-    r = run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 64, "--checkpoint",
-                   tmp_path / "c.pt", DDP_TEST_CPU_FEATURES=features)
-    assert sum(ln.startswith("precision: ") for ln in r.stdout.splitlines()) == 1, r.stdout
-    assert load(tmp_path / "c.pt")["args"]["amp"] == amp
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("features,amp", [(NO_BF16, "none"), (BF16, "bf16")])
-def test_apex_native_trains_in_the_chosen_precision(tiny_mnist, tmp_path, features, amp):
-    """End to end under torchrun: the checkpoint records the precision actually used."""
-    run_script("apex_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 64, "--timeout", 30,
-               "--checkpoint", tmp_path / "c.pt", launcher=TORCHRUN, block="apex",
-               DDP_TEST_CPU_FEATURES=features)
-    ckpt = load(tmp_path / "c.pt")
-    assert ckpt["args"]["amp"] == amp and not ckpt["scaler"]
+@pytest.mark.parametrize("script", ["torchrun_ddp.py", pytest.param(
+    "apex_ddp.py", marks=pytest.mark.slow)])
+def test_amp_auto_trains_in_the_precision_it_picked(preempted, script):
+    """The job decides, once, and its processes train so; the checkpoint records the precision
+    actually used: the shared runs (conftest.preempted) on a CPU without bfloat16 instructions,
+    torchrun_ddp.py with --amp auto, apex_ddp.py's native path at its default O1: fp32, no loss
+    scale. (Where every CPU computes bf16: test_a_resume_keeps_the_precision_of_its_run; where
+    one does not: test_one_precision_for_the_whole_job.)"""
+    d = preempted(script)
+    said = [ln for ln in kept(d, "stopped").stdout.splitlines() if ln.startswith("precision: ")]
+    assert said == ["precision: fp32, as this CPU has no bfloat16 instructions (AVX512_BF16, AMX "
+                    "or ARM BF16) (--amp auto; --amp none: fp32)"], said
+    ckpt = load(d / "c.pt")
+    assert ckpt["args"]["amp"] == "none" and not ckpt["scaler"]
 
 
 def test_the_autocast_dtype_reaches_a_dataparallel_replica_only_through_its_module():

@@ -2,12 +2,11 @@
 preemption, then SIGKILL after KillWait; Kubernetes likewise; torchrun when it stops its
 workers). Every process finishes the step it is in, they agree on one step to stop at, the
 writer saves a snapshot there, and the run ends with a `preempted:` line and exit code 143.
-The same command with --resume then ends bit-identical to a run that was never interrupted.
-
-The signal goes either to every process of the job (what SLURM does) or to the launcher alone
-(what a user's `kill PID` does): spawn_ddp.py's launcher and torchrun's agent pass it on. The
-jobs signalled as a whole load their data with 2 worker processes each, which get the signal
-too (and must not die of it: common.worker_init); the others load in the training process."""
+A SIGTERM to every process of the job (what SLURM does), and the resume that ends bit-identical
+to a run never interrupted, is each script's shared run (test_smoke.py); here: the signal to
+the launcher alone (what a user's `kill PID` does: spawn_ddp.py's launcher and torchrun's agent
+pass it on), a run without a checkpoint, steps slower than the grace allows for, and a rank
+stuck in a collective."""
 import os
 import signal
 import subprocess
@@ -16,8 +15,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, load, process_group, read_metrics, \
-    run_script, script_env, session_processes, threads
+from conftest import ROOT, agreements, load, process_group, read_records, script_env, \
+    session_processes, threads
 
 pytestmark = pytest.mark.slow
 
@@ -27,19 +26,14 @@ ARGS = ("--batch-size", 32, "--epochs", 2, "--log-interval", 1)  # 19 steps per 
 RUNS = {  # script: (launcher, extra flags)
     "spawn_ddp.py": ((), ["--nproc-per-node", 2, "--timeout", 30]),
     "torchrun_ddp.py": (TORCHRUN, ["--timeout", 30]),
-    "torchrun_fsdp.py": (TORCHRUN, ["--timeout", 30]),
-    "apex_ddp.py": (TORCHRUN, ["--timeout", 30, "--opt-level", "O0"]),
     "dp_baseline.py": ((), []),
 }
-CASES = [("spawn_ddp.py", "job", 2), ("spawn_ddp.py", "launcher", 0), ("dp_baseline.py", "job", 2),
-         ("torchrun_ddp.py", "job", 2), ("torchrun_ddp.py", "launcher", 0), ("apex_ddp.py", "job", 0),
-         ("torchrun_fsdp.py", "job", 2)]
 
 
-def command(script, tiny_mnist, ckpt, *more):
+def command(script, tiny_mnist, ckpt=None):
     launcher, extra = RUNS[script]
     return [sys.executable, *launcher, str(ROOT / script), "--data-dir", str(tiny_mnist),
-            *map(str, ARGS), *map(str, extra), "--checkpoint", str(ckpt), *map(str, more)]
+            *map(str, ARGS), *map(str, extra), *(["--checkpoint", str(ckpt)] if ckpt else [])]
 
 
 def start_and_signal(cmd, who, after_step=5, **env):
@@ -47,7 +41,7 @@ def start_and_signal(cmd, who, after_step=5, **env):
     SIGTERM to the whole group (`job`) or to the launcher only (`launcher`)."""
     proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True,
-                            env=script_env(DDP_TEST_STEP_DELAY=0.1, block="apex", **env))
+                            env=script_env(DDP_TEST_STEP_DELAY=0.1, **env))
     try:
         out = []
         for line in proc.stdout:  # progress lines: "epoch 1/2 step 5/19 ..."
@@ -66,71 +60,61 @@ def start_and_signal(cmd, who, after_step=5, **env):
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out) + rest, err)
 
 
-@pytest.mark.parametrize("script,who,workers", CASES,
-                         ids=[f"{s}-{w}-workers{n}" for s, w, n in CASES])
-def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(tiny_mnist, tmp_path, straight,
-                                                                  script, who, workers):
-    ckpt = tmp_path / ("snap" if script == "torchrun_fsdp.py" else "c.pt")  # a folder there
-    r = start_and_signal(command(script, tiny_mnist, ckpt, "--workers", workers), who,
-                         **threads(script))
-    assert "DataLoader worker" not in r.stderr, r.stderr
+@pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py"])
+def test_sigterm_to_the_launcher_alone_stops_every_process_at_one_step(tiny_mnist, tmp_path,
+                                                                       script):
+    """`kill PID` of spawn_ddp.py's launcher or of torchrun's agent: it passes the signal on, and
+    the processes stop as they do when each gets it (test_smoke.py's
+    test_sigterm_saves_where_all_stop_and_resume_is_bit_identical, which also resumes): one
+    `preempted:` line, a snapshot in the middle of epoch 1 where all stopped, no temporary file,
+    no traceback of ours; exit code 143 (torchrun's agent: 1, with its SignalException)."""
+    ckpt = tmp_path / "c.pt"
+    r = start_and_signal(command(script, tiny_mnist, ckpt), "launcher", **threads(script))
     torchrun = bool(RUNS[script][0])
-    # torchrun's agent itself ends with exit code 1 and its own SignalException traceback
-    # when it got the signal (it re-raises it); our scripts exit with 143.
     assert r.returncode == (1 if torchrun else PREEMPTED), f"{r.stdout}\n{r.stderr}"
     lines = [ln for ln in r.stderr.splitlines() if "preempted:" in ln]
     assert len(lines) == 1, r.stderr  # rank 0 says it, once
     snap = load(ckpt)
-    assert snap["epoch"] == 0 and snap["step"] >= 5, (snap["epoch"], snap["step"])  # mid-epoch
+    assert snap["epoch"] == 0 and snap["step"] >= 5, (snap["epoch"], snap["step"])
     again = "the same command continues from it" if torchrun else "rerun with --resume"
     assert f"after step {snap['step']} of epoch 1; snapshot in {ckpt}: {again}" in lines[0]
     assert "error" not in r.stderr.replace("Traceback", "").lower() or torchrun, r.stderr
-    assert 'File "' + str(ROOT) not in r.stderr, r.stderr  # no traceback from our code
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.name] + [  # no temp file left
-        "snap.0"] * ckpt.is_dir()  # (the folder its link points to)
-    # and the job goes on from the snapshot, to exactly the end an uninterrupted run reaches
-    launcher, extra = RUNS[script]
-    resume = [] if torchrun else ["--resume"]  # torchrun's scripts resume by themselves
-    r2 = run_script(script, "--data-dir", tiny_mnist, *ARGS, *extra, "--checkpoint", ckpt,
-                    *resume, "--metrics", tmp_path / "m.jsonl", "--workers", workers,
-                    launcher=launcher, block="apex", **threads(script))
-    assert f"0 epoch(s) + {snap['step']} step(s) trained" in r2.stdout
-    assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
-    nproc = 1 if script == "dp_baseline.py" else 2
-    assert_same_training_state(load(straight(nproc, 32, 2) / "c.pt"), load(ckpt))
+    assert 'File "' + str(ROOT) not in r.stderr, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
 
 
-def test_sigterm_without_checkpoint_stops_cleanly(tiny_mnist):
-    """No --checkpoint: nothing to save, but the same clean stop and the same exit code."""
-    cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist), *map(str, ARGS),
-           "--nproc-per-node", "2", "--timeout", "30"]
-    r = start_and_signal(cmd, "job")
+def test_sigterm_without_checkpoint_stops_cleanly(tiny_mnist, tmp_path):
+    """No --checkpoint: nothing to save, and no stop agreement (its all-reduces, recorded: none),
+    but the same clean stop and the same exit code."""
+    r = start_and_signal(command("spawn_ddp.py", tiny_mnist), "job", record=tmp_path)
     assert r.returncode == PREEMPTED, r.stderr
     assert "nothing saved (no --checkpoint)" in r.stderr
     assert 'File "' + str(ROOT) not in r.stderr
+    assert read_records(tmp_path, "init") and not agreements(tmp_path)
 
 
 def test_the_switch_bench_uses_turns_the_check_off(tiny_mnist, tmp_path):
     """Control for docs/speed.md's cost measurement: with DDP_TEST_NO_STOP the same SIGTERM
-    changes nothing, the run trains to its end (so the comparison has a real "without")."""
-    cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist), *map(str, ARGS),
-           "--nproc-per-node", "2", "--timeout", "30", "--checkpoint", str(tmp_path / "c.pt")]
-    r = start_and_signal(cmd, "job", DDP_TEST_NO_STOP=1)
+    changes nothing, the run trains to its end (so the comparison has a real "without"). One
+    process: the switch replaces the check itself, as in every script."""
+    r = start_and_signal(command("dp_baseline.py", tiny_mnist, tmp_path / "c.pt"), "job",
+                         DDP_TEST_NO_STOP=1)
     assert r.returncode == 0 and "preempted" not in r.stderr, r.stderr
     assert "epoch 2 train_loss" in r.stdout
 
 
 def test_slow_steps_still_stop_within_torchruns_grace(tiny_mnist, tmp_path):
     """Steps of 5 s, and a SIGTERM to torchrun's agent, which passes it on and kills its workers
-    30 s later (its --shutdown-timeout). The agreement follows the pace of the steps (every
-    step here), so the stop and its snapshot come a step or two after the signal: well inside
-    the 30 s, where an agreement every 10 steps (50 s) lost the snapshot."""
-    import time
+    30 s later (its --shutdown-timeout). The agreement follows the pace of the steps: the
+    processes agree before every step here, as often in each (recorded: the all-reduces of the
+    stop flag and the pace), so the stop and its snapshot come a step or two after the signal:
+    well inside the 30 s, where an agreement every 10 steps (50 s) lost the snapshot."""
     ckpt = tmp_path / "c.pt"
-    cmd = command("torchrun_ddp.py", tiny_mnist, ckpt)
-    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True,
-                            env=script_env(DDP_TEST_STEP_DELAY=5, **threads("torchrun_ddp.py")))
+    proc = subprocess.Popen(command("torchrun_ddp.py", tiny_mnist, ckpt), cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, env=script_env(
+                                record=tmp_path, DDP_TEST_STEP_DELAY=5,
+                                **threads("torchrun_ddp.py")))
     try:
         for line in proc.stdout:
             if line.startswith("epoch 1/2 step 2/"):
@@ -147,6 +131,8 @@ def test_slow_steps_still_stop_within_torchruns_grace(tiny_mnist, tmp_path):
     snap = load(ckpt)
     assert snap["epoch"] == 0 and 2 <= snap["step"] <= 5, snap["step"]
     assert took < 25, took  # two steps and the write, not the 30 s torchrun gives
+    steps = snap["step"] + 1  # the checks before each step, the last one the stop
+    assert agreements(tmp_path) == {0: steps, 1: steps}
 
 
 def test_a_second_sigterm_to_spawns_launcher_ends_a_rank_stuck_in_a_collective(tiny_mnist,

@@ -13,12 +13,13 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, free_port, load, read_metrics, script_env
+from conftest import ROOT, TRAIN, assert_same_training_state, free_port, load, read_metrics, \
+    script_env
 
 pytestmark = pytest.mark.slow
 
-ARGS = ("--batch-size", 64, "--epochs", 2, "--log-interval", 5, "--timeout", 60,
-        "--save-on-each-node", "--checkpoint", "ckpt/c.pt", "--metrics", "m.jsonl")
+ARGS = (*TRAIN, "--log-interval", 5, "--timeout", 60, "--save-on-each-node", "--checkpoint",
+        "ckpt/c.pt", "--metrics", "m.jsonl")
 REFUSED = "error: rank(s) {} (node(s) {}) lack the copy of ckpt/c.pt that rank {} resumes from " \
           "(1 epoch(s) + 0 step(s)): copy it to that node, or use a shared filesystem"
 
@@ -27,7 +28,7 @@ REFUSED = "error: rank(s) {} (node(s) {}) lack the copy of ckpt/c.pt that rank {
 def never_interrupted(straight):
     """2 processes on one node, 2 epochs (conftest): two nodes of one process each train the
     same (one thread per process everywhere, so that the arithmetic is the same too)."""
-    return load(straight(2, 64, 2) / "c.pt")
+    return load(straight(2) / "c.pt")
 
 
 def launch(cmds, folders, codes=(0, 0)):
@@ -69,27 +70,20 @@ def refused(outs, line, kept, alone=False):
     assert all(path.read_bytes() == before for path, before in kept.items())
 
 
-@pytest.fixture(scope="module")
-def first_epoch(tiny_mnist, tmp_path_factory):
-    """Epoch 1 of 2 on two nodes of one process each, a copy of the checkpoint on each node,
-    trained once for the tests below: a function that copies both nodes' folders to `to`."""
-    base = tmp_path_factory.mktemp("first-epoch")
-    folders = [base / "node0", base / "node1"]
+@pytest.fixture
+def nodes(first_epoch, tmp_path):
+    """Two nodes' folders, each with its copy of the checkpoint of epoch 1 of 2 at 2 processes
+    (conftest.first_epoch), as --save-on-each-node leaves them (ckpt/c.pt)."""
+    folders = [tmp_path / "node0", tmp_path / "node1"]
     for f in folders:
-        f.mkdir()
-    spawn_nodes(tiny_mnist, folders, "--stop-after", 1)
-    assert all(load(f / "ckpt" / "c.pt")["epoch"] == 1 for f in folders)
-
-    def copy(to):
-        for f in folders:
-            shutil.copytree(f, to / f.name)
-        return [to / f.name for f in folders]
-    return copy
+        (f / "ckpt").mkdir(parents=True)
+        shutil.copy(first_epoch, f / "ckpt" / "c.pt")
+    return folders
 
 
 def test_torchrun_node_without_the_checkpoint_is_refused_until_it_has_a_copy(
-        tiny_mnist, tmp_path, first_epoch, never_interrupted):
-    folders = first_epoch(tmp_path)
+        tiny_mnist, nodes, never_interrupted):
+    folders = nodes
     copy = folders[0] / "ckpt" / "c.pt"
     (folders[1] / "ckpt" / "c.pt").unlink()  # node 1's disk lost it
     outs = torchrun_nodes(tiny_mnist, folders, codes=(1, 1))  # torchrun's, after its summary
@@ -100,15 +94,14 @@ def test_torchrun_node_without_the_checkpoint_is_refused_until_it_has_a_copy(
     for f in folders:  # each node wrote its own copy again, the same model on both
         assert_same_training_state(never_interrupted, load(f / "ckpt" / "c.pt"))
     [reporter] = [f for f in folders if (f / "m.jsonl").exists()]
-    assert [r["epoch"] for r in read_metrics(reporter / "m.jsonl")] == [1, 2]
+    assert [r["epoch"] for r in read_metrics(reporter / "m.jsonl")] == [2]  # epoch 2 here
 
 
-def test_spawn_node_without_the_checkpoint_is_refused_in_one_line_per_node(
-        tiny_mnist, tmp_path, first_epoch):
+def test_spawn_node_without_the_checkpoint_is_refused_in_one_line_per_node(tiny_mnist, nodes):
     """As slurm/spawn_ddp.sbatch runs it: --resume on the node that finds the file only, now
     with 2 processes a node. Node 0 (rank 0's) lost its copy; each node says so once, from its
     first process, and its launcher exits 2 (bad input), adding nothing."""
-    folders = first_epoch(tmp_path)
+    folders = nodes
     (folders[0] / "ckpt" / "c.pt").unlink()
     copy = folders[1] / "ckpt" / "c.pt"
     outs = spawn_nodes(tiny_mnist, folders, resume_on=[1], nproc=2, codes=(2, 2))

@@ -10,42 +10,34 @@ import sys
 
 import pytest
 
-from conftest import ROOT, free_port, read_metrics, run_mains, run_script, script_env
+from conftest import ROOT, TRAIN, free_port, read_metrics, run_mains, run_script, script_env
 
-BASE = ("--batch-size", 64, "--epochs", 2, "--log-interval", 5)
+BASE = (*TRAIN, "--log-interval", 5)  # the flags of conftest.first_epoch's run
+RUN = (*BASE, "--accumulate", 2)  # of conftest.straight(2, accumulate=2)'s
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 CHANGES = [  # another value for a flag that defines the run: what the refusal must say
-    (["--batch-size", "32"], "--batch-size 64 in the checkpoint, 32 now"),
+    (["--batch-size", "64"], "--batch-size 32 in the checkpoint, 64 now"),
     (["--seed", "1"], "--seed 0 in the checkpoint, 1 now"),
     (["--epochs", "3"], "--epochs 2 in the checkpoint, 3 now"),
     (["--lr", "0.02"], "--lr 0.01 in the checkpoint, 0.02 now"),
-    (["--accumulate", "2"], "--accumulate 1 in the checkpoint, 2 now"),
+    (["--accumulate", "1"], "--accumulate 2 in the checkpoint, 1 now"),
     (["--amp", "bf16"], "--amp none in the checkpoint, bf16 now"),
     (["--dummy"], "--dummy now, not in the checkpoint"),  # a task's own flag
 ]
 
 
-@pytest.fixture(scope="module")
-def first_epoch(tiny_mnist, tmp_path_factory):
-    """Epoch 1 of 2 by dp_baseline.py (fp32: the tests' CPU has no bfloat16): the checkpoint
-    every test here tries to continue, and its bytes."""
-    folder = tmp_path_factory.mktemp("first-epoch")
-    run_script("dp_baseline.py", "--data-dir", tiny_mnist, *BASE, "--stop-after", 1,
-               "--checkpoint", folder / "c.pt")
-    return folder / "c.pt", (folder / "c.pt").read_bytes()
-
-
 def resume(script, tiny_mnist, ckpt, *flags):
-    return {"argv": ["--data-dir", str(tiny_mnist), *map(str, BASE), "--checkpoint", str(ckpt),
+    return {"argv": ["--data-dir", str(tiny_mnist), *map(str, RUN), "--checkpoint", str(ckpt),
                      "--resume", *flags]}
 
 
 @pytest.mark.parametrize("script", ["dp_baseline.py", "spawn_ddp.py"])
-def test_a_resume_with_other_flags_is_refused_in_one_line(first_epoch, tiny_mnist, script):
+def test_a_resume_with_other_flags_is_refused_in_one_line(straight, tiny_mnist, script):
     """The launcher refuses before anything starts; then the same command with one thing the
     run does not depend on changed (the data's folder, workers, the log, the world size, the
-    timeouts) gets as far as starting."""
-    ckpt, before = first_epoch
+    timeouts) gets as far as starting. (The checkpoint of a 2-process run, conftest.straight.)"""
+    ckpt = straight(2, accumulate=2) / "c.pt"
+    before = ckpt.read_bytes()
     same = ["--workers", "1", "--log-interval", "7", "--save-every", "3"]
     if script == "spawn_ddp.py":
         same += ["--nproc-per-node", "4", "--timeout", "100"]
@@ -59,17 +51,18 @@ def test_a_resume_with_other_flags_is_refused_in_one_line(first_epoch, tiny_mnis
         assert line.startswith(f"error: {ckpt} is the checkpoint of another run: {said}. "), line
         assert line.endswith("or another --checkpoint to start a new run"), line
     [line] = both["stderr"].splitlines()
-    assert "--batch-size 64 in the checkpoint, 128 now; --seed 0 in the checkpoint, 5 now." in line
+    assert "--batch-size 32 in the checkpoint, 128 now; --seed 0 in the checkpoint, 5 now." in line
     assert ok["started"] and ok["code"] == 0, ok
     assert ckpt.read_bytes() == before
 
 
 @pytest.mark.parametrize("script", ["dp_baseline.py", "spawn_ddp.py"])
-def test_a_fresh_run_never_overwrites_a_checkpoint(first_epoch, tiny_mnist, script):
+def test_a_fresh_run_never_overwrites_a_checkpoint(straight, tiny_mnist, script):
     """Without --resume, an existing --checkpoint (this run's or another's) is refused in one
     line that says how to go on, before anything starts; the file stays as it was."""
-    ckpt, before = first_epoch
-    [r] = run_mains(script, [{"argv": ["--data-dir", str(tiny_mnist), *map(str, BASE),
+    ckpt = straight(2, accumulate=2) / "c.pt"
+    before = ckpt.read_bytes()
+    [r] = run_mains(script, [{"argv": ["--data-dir", str(tiny_mnist), *map(str, RUN),
                                        "--checkpoint", str(ckpt)]}])
     assert r["code"] == 2 and not r["started"], r
     assert r["stderr"].splitlines() == [f"error: --checkpoint {ckpt} exists: add --resume to "
@@ -83,8 +76,9 @@ def test_torchrun_refuses_a_new_run_at_an_old_path_and_continues_the_same(first_
                                                                            tmp_path):
     """torchrun_ddp.py resumes whenever it finds --checkpoint: a new experiment at the same path
     (another --seed) is refused, by one line, with the file untouched; the first run's own
-    command continues it at another world size (2 processes, where 1 began)."""
-    ckpt, before = first_epoch
+    command continues it at another world size (1 process, where 2 began). (--evaluate
+    compares nothing: test_evaluation_counts_the_same_at_any_world_size.)"""
+    ckpt, before = first_epoch, first_epoch.read_bytes()
     flags = ["--data-dir", tiny_mnist, *BASE, "--checkpoint", ckpt, "--timeout", 30]
     r = run_script("torchrun_ddp.py", *flags, "--seed", 7, launcher=TORCHRUN, check=False)
     assert r.returncode != 0
@@ -96,21 +90,10 @@ def test_torchrun_refuses_a_new_run_at_an_old_path_and_continues_the_same(first_
     copy = tmp_path / "c.pt"
     copy.write_bytes(before)
     flags[flags.index(ckpt)] = copy
-    r = run_script("torchrun_ddp.py", *flags, "--metrics", tmp_path / "m.jsonl", launcher=TORCHRUN)
+    r = run_script("torchrun_ddp.py", *flags, "--metrics", tmp_path / "m.jsonl")
     assert f"loaded {copy}: 1 epoch(s) + 0 step(s) trained" in r.stdout
-    assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [2]
-
-
-@pytest.mark.slow
-def test_evaluate_compares_nothing(first_epoch, tiny_mnist, tmp_path):
-    """--evaluate reads the model as it is, at any batch size and seed."""
-    ckpt, before = first_epoch
-    run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 96, "--seed", 3,
-               "--nproc-per-node", 3, "--evaluate", "--checkpoint", ckpt,
-               "--metrics", tmp_path / "m.jsonl")
-    [row] = read_metrics(tmp_path / "m.jsonl")
-    assert row["evaluate"] and row["epoch"] == 1
-    assert ckpt.read_bytes() == before
+    assert [(row["epoch"], row["world_size"]) for row in read_metrics(tmp_path / "m.jsonl")] \
+        == [(2, 1)]
 
 
 @pytest.mark.slow

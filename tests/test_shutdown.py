@@ -9,17 +9,11 @@ thread is left in any worker when its script has returned (recorded at atexit by
 tests/instrument)."""
 import pytest
 
-from conftest import ROOT, read_records, run_script
+from conftest import read_records, run_script
 
-pytestmark = pytest.mark.slow
-
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
-RUNS = {  # script: (launcher, extra flags, blocked import)
-    "spawn_ddp.py": ((), ["--nproc-per-node", 2, "--timeout", 30], None),
-    "torchrun_ddp.py": (TORCHRUN, ["--timeout", 30], None),
-    "apex_ddp.py": (TORCHRUN, ["--timeout", 30], "apex"),  # the native path
-    "lesson/ddp.py": (TORCHRUN, [], None),  # DDP and torchvision imported after its group
-}
+# apex_ddp.py's native path; lesson/ddp.py imports DDP and torchvision after its group starts
+RUNS = ["spawn_ddp.py", "torchrun_ddp.py", pytest.param("apex_ddp.py", marks=pytest.mark.slow),
+        "lesson/ddp.py"]
 
 
 def gloo_threads(exit_record):
@@ -43,24 +37,12 @@ def test_the_check_sees_gloo_threads(tmp_path):
 
 
 @pytest.mark.parametrize("script", RUNS)
-def test_no_gloo_thread_outlives_the_script(tiny_mnist, tmp_path, script):
-    launcher, extra, block = RUNS[script]
-    run_script(script, "--data-dir", tiny_mnist, "--batch-size", 64, *extra,
-               launcher=launcher, block=block, record=tmp_path)
-    exits = read_records(tmp_path, "exit")
+def test_no_gloo_thread_outlives_the_script(preempted, lesson_run, script):
+    """The shared runs' (conftest.preempted, resumed; conftest.lesson_run): each process's
+    threads when its script has returned. (The programs of tests/troubleshooting/ that the
+    docs quote: test_info_names_the_parameters_without_a_gradient.)"""
+    rec = lesson_run("ddp") / "rec" if script.startswith("lesson") else preempted(script) / "rec"
+    exits = read_records(rec, "exit")
     assert sorted(e["rank"] for e in exits) == [0, 1]  # both workers got to the end
-    for e in exits:
-        assert not gloo_threads(e), e
-
-
-def test_the_troubleshooting_programs_shut_gloo_down_too(tmp_path):
-    """tests/troubleshooting/unused_parameters.py starts its own gloo group (docs quote it): it
-    imports torch.distributed.nn before the group exists, as common.py does, or its gloo
-    threads outlive it and a CI run aborted with "terminate called without an active
-    exception"."""
-    run_script(ROOT / "tests" / "troubleshooting" / "unused_parameters.py", record=tmp_path,
-               timeout=120)
-    exits = read_records(tmp_path, "exit")
-    assert sorted(e["rank"] for e in exits) == [0, 1]
     for e in exits:
         assert not gloo_threads(e), e

@@ -30,10 +30,6 @@ pytestmark = pytest.mark.slurm
 
 BATCH = {"torchrun": ROOT / "slurm" / "torchrun_ddp.sbatch",
          "spawn": ROOT / "slurm" / "spawn_ddp.sbatch"}
-# Two epochs in the schedule, this job stops after the first: the second submission of the
-# same command must continue with epoch 2. Global batch 64 on 600 images: 10 steps an epoch.
-TRAIN = ("--batch-size", 64, "--epochs", 2, "--stop-after", 1, "--log-interval", 5,
-         "--timeout", 30)
 JOB_TIMEOUT = 120
 
 
@@ -64,64 +60,11 @@ def check_job(cluster, name, ckpt_prefix):
             for n, saves in node_records(cluster, name, "save").items()}
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
-def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, straight, launcher):
-    """Two submissions of the same file: (1) a job that trains epoch 1 of 2 and writes its
-    checkpoint on the shared disk, one writer in the job; (2) the same submission with
-    --save-on-each-node and the checkpoint on each node's local disk, where each node holds a
-    copy of (1)'s checkpoint: the processes decide together to resume, each node writes its
-    own, and both copies equal a run never interrupted, bit for bit. (A node without a copy is
-    refused: test_resume_together.py.)
-    (A submission that resumes from the shared disk: the requeue tests below.)"""
-    cluster = slurm_cluster
-    for job in ("first", "each-node"):  # a folder of its own on every node's disk
-        for n in NODES:
-            (cluster.disks[n] / f"{tmp_path.name}-{job}" / "rec").mkdir(parents=True)
-
-    def submit(job, ckpt, *extra):
-        name = f"{tmp_path.name}-{job}"
-        env = script_env(REPO=ROOT, PYTHON=sys.executable, NPROC_PER_NODE=1,
-                         OMP_NUM_THREADS=1, CHECKPOINT=ckpt, SAVE_EVERY=4,
-                         DDP_TEST_RECORD=cluster.local_disk / name / "rec")
-        args = ["--data-dir", tiny_mnist, *TRAIN, "--metrics", "m.jsonl", *extra]
-        start = time.monotonic()
-        out = submit_and_wait(cluster, launcher, tmp_path, env, args)
-        print(f"{launcher} {job}: {time.monotonic() - start:.1f}s")
-        return out, name
-
-    # (1) one writer in the job, the checkpoint on the shared disk
-    shared = tmp_path / "runs" / "c.pt"
-    out, name = submit("first", shared)
-    assert "2 node(s) x 1 process(es)" in out  # the batch file's own line
-    assert "2 processes (2 node(s) x 1)" in out  # global rank 0's line
-    rows = read_metrics(tmp_path / "m.jsonl")  # written by global rank 0, in the job's cwd
-    assert [(r["epoch"], r["world_size"], r["total"]) for r in rows] == [(1, 2, N_TEST)]
-    writers = check_job(cluster, name, shared)
-    assert len(set().union(*writers.values())) == 1, writers  # one process wrote, every time
-    assert sorted(p.name for p in shared.parent.iterdir()) == ["c.pt"]  # no temp file left
-    assert load(shared)["epoch"] == 1
-    # What (2) starts from: a copy on each node's own disk, as docs/clusters.md says to make
-    for n in NODES:
-        shutil.copy(shared, cluster.disks[n] / f"{tmp_path.name}-each-node" / "c.pt")
-
-    # (2) no shared disk for checkpoints: one writer per node, each into its own directory
-    local = cluster.local_disk / f"{tmp_path.name}-each-node" / "c.pt"  # same path, each node
-    out, name = submit("each-node", local, "--save-on-each-node")
-    assert f"loaded {local}: 1 epoch(s) + 0 step(s) trained" in out, out
-    assert [(r["epoch"], r["world_size"]) for r in read_metrics(tmp_path / "m.jsonl")] == \
-        [(1, 2), (2, 2)], out
-    writers = check_job(cluster, name, local)
-    assert all(len(writers[n]) == 1 for n in NODES), writers  # one writer on each node
-    never_interrupted = load(straight(2, 64, 2) / "c.pt")  # the same training (conftest)
-    for n in NODES:
-        assert_same_training_state(never_interrupted, load(cluster.disks[n] / name / "c.pt"))
-
-
 # ---- Time limit and preemption ----------------------------------------------------------------
-# Two epochs of 10 steps, each step slowed down so that the signal lands in the middle of epoch 1
+# Two epochs of 19 steps, each step slowed down so that the signal lands in the middle of epoch 1
 # (the flags do not change what is trained: the reference below runs without the delay).
-STOP_TRAIN = ("--batch-size", 64, "--epochs", 2, "--log-interval", 1, "--timeout", 30)
-STEP_DELAY = 0.2
+STOP_TRAIN = ("--batch-size", 32, "--epochs", 2, "--log-interval", 1, "--timeout", 30)
+STEP_DELAY = 0.1
 PREEMPTED = re.compile(r"preempted: stopped on SIGTERM after step (\d+) of epoch (\d+); "
                        r"snapshot in (\S+): ")
 
@@ -134,9 +77,9 @@ def stop_env(ckpt, **extra):
 @pytest.fixture
 def never_interrupted(straight):
     """The final checkpoint of the same training never interrupted: 2 processes of one thread,
-    2 epochs at batch 64 (conftest). Every stopped and requeued job must end with it, bit for
+    2 epochs at batch 32 (conftest). Every stopped and requeued job must end with it, bit for
     bit."""
-    return load(straight(2, 64, 2) / "c.pt")
+    return load(straight(2) / "c.pt")
 
 
 def submit_until_step(cluster, launcher, jobdir, env, args, step=3):
@@ -179,23 +122,63 @@ def check_stopped_and_requeued(cluster, job, out, ckpt, jobdir, reference):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
-def test_time_limit_warning_stops_requeues_and_resumes(slurm_cluster, tiny_mnist, tmp_path,
-                                                       never_interrupted, launcher):
-    """SLURM's warning before the time limit (`#SBATCH --signal=B:USR1@120`), delivered as
-    SLURM delivers it, to the batch shell only: the script passes SIGTERM to the training,
-    which saves a snapshot where all processes stop; the script requeues the job; SLURM starts
-    the same job id again (the test cluster's BeginTime delay is 6 s), which resumes from the
-    snapshot and ends COMPLETED, bit-identical to a job never interrupted."""
-    cluster, ckpt = slurm_cluster, tmp_path / "c.pt"
-    start = time.monotonic()
-    job, out = submit_until_step(cluster, launcher, tmp_path,
-                                 stop_env(ckpt, DDP_TEST_STEP_DELAY=STEP_DELAY),
-                                 ["--data-dir", tiny_mnist, *STOP_TRAIN, "--metrics", "m.jsonl"])
+def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, never_interrupted,
+                                 launcher):
+    """Two submissions of the same file. (1) SLURM's warning before the time limit
+    (`#SBATCH --signal=B:USR1@120`), delivered as SLURM delivers it, to the batch shell only:
+    the script passes SIGTERM to the training, which saves a snapshot on the shared disk where
+    all processes stop; the script requeues the job; SLURM starts the same job id again (the
+    test cluster's BeginTime delay is 6 s), which resumes from the snapshot and ends COMPLETED,
+    bit-identical to a job never interrupted; one process wrote each run's checkpoints. (2) The
+    same submission with --save-on-each-node and the checkpoint on each node's local disk, where
+    each node holds a copy of (1)'s snapshot, taken as (1) was requeued: the processes decide
+    together to resume, each node writes its own, and both copies equal a run never
+    interrupted, bit for bit. (A node without a copy is refused: test_resume_together.py.)"""
+    cluster, shared = slurm_cluster, tmp_path / "runs" / "c.pt"
+    for job in ("warned", "each-node"):  # a folder of its own on every node's disk
+        for n in NODES:
+            (cluster.disks[n] / f"{tmp_path.name}-{job}" / "rec").mkdir(parents=True)
+    args = ["--data-dir", tiny_mnist, *STOP_TRAIN, "--metrics", "m.jsonl"]
+
+    # (1) the warning, a snapshot on the shared disk, one writer a run; the requeue resumes it
+    start, name = time.monotonic(), f"{tmp_path.name}-warned"
+    job, out = submit_until_step(cluster, launcher, tmp_path, stop_env(
+        shared, DDP_TEST_STEP_DELAY=STEP_DELAY, DDP_TEST_RECORD=cluster.local_disk / name / "rec"),
+        args)
     r = cluster.client("scancel", "--signal=USR1", "--batch", job)
     assert r.returncode == 0, r.stderr
-    text = check_stopped_and_requeued(cluster, job, out, ckpt, tmp_path, never_interrupted)
+    requeued = f"job {job}: stopped early by SLURM; requeued to continue from {shared}"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while requeued not in out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    snapshot = load(shared)  # what (2) starts from: a copy on each node's own disk, as
+    for n in NODES:  # docs/clusters.md says to make, before the requeued run writes again
+        shutil.copy(shared, cluster.disks[n] / f"{tmp_path.name}-each-node" / "c.pt")
+    text = check_stopped_and_requeued(cluster, job, out, shared, tmp_path, never_interrupted)
     assert f"job {job}: warning from SLURM (USR1): stopping the training" in text
+    assert "2 processes (2 node(s) x 1)" in text  # global rank 0's line
+    rows = read_metrics(tmp_path / "m.jsonl")  # written by global rank 0, in the job's cwd
+    assert [(r["epoch"], r["world_size"], r["total"]) for r in rows] == [(1, 2, N_TEST),
+                                                                          (2, 2, N_TEST)]
+    writers = {s["pid"] for saves in node_records(cluster, name, "save").values()
+               for s in saves if s["path"].startswith(str(shared))}
+    assert len(writers) == 2, writers  # one process wrote in each of the job's two runs
+    assert sorted(p.name for p in shared.parent.iterdir()) == ["c.pt"]  # no temp file left
     print(f"{launcher} warned and requeued: {time.monotonic() - start:.1f}s")
+
+    # (2) no shared disk for checkpoints: one writer per node, each into its own directory
+    name = f"{tmp_path.name}-each-node"
+    local = cluster.local_disk / name / "c.pt"  # the same path, each node its own
+    env = stop_env(local, DDP_TEST_RECORD=cluster.local_disk / name / "rec")
+    out = submit_and_wait(cluster, launcher, tmp_path, env, [*args, "--save-on-each-node"])
+    position = f"{snapshot['epoch']} epoch(s) + {snapshot['step']} step(s)"
+    assert snapshot["step"] > 0 and f"loaded {local}: {position} trained" in out, out
+    assert [(r["epoch"], r["world_size"]) for r in read_metrics(tmp_path / "m.jsonl")][2:] == \
+        [(1, 2), (2, 2)], out
+    writers = check_job(cluster, name, local)
+    assert all(len(writers[n]) == 1 for n in NODES), writers  # one writer on each node
+    for n in NODES:
+        assert_same_training_state(never_interrupted, load(cluster.disks[n] / name / "c.pt"))
 
 
 def test_preempted_job_requeues_itself(slurm_cluster, tiny_mnist, tmp_path, never_interrupted):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import N_TEST, ROOT, assert_no_deprecation_warnings, assert_same_training_state, \
-    free_port, load, process_group, read_metrics, read_records, run_mains, run_script, \
-    script_env, wait_for, workers_of
+from conftest import N_TEST, ROOT, TRAIN, assert_no_deprecation_warnings, \
+    assert_same_training_state, free_port, kept, load, process_group, read_metrics, \
+    read_records, run_mains, run_script, script_env, wait_for, workers_of
 
 SCRIPT = "torchrun_ddp.py"
 TORCHRUN = ("-m", "torch.distributed.run")  # the `torchrun` command, from this interpreter
@@ -22,11 +22,6 @@ LEGACY = ("-m", "torch.distributed.launch")
 
 def standalone(nproc, *extra):
     return (*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *extra)
-
-
-def tiny(data, *extra):
-    """Flags for a quick run on the tiny data, global batch 64 (10 steps per epoch)."""
-    return ["--data-dir", data, "--batch-size", 64, "--log-interval", 5, "--timeout", 30, *extra]
 
 
 def assert_same_final_replicas(rec_a, rec_b, world_size):
@@ -41,46 +36,42 @@ def assert_same_final_replicas(rec_a, rec_b, world_size):
 # Launchers
 
 @pytest.mark.slow
-def test_torchrun_standalone_trains_and_writes_one_checkpoint(tiny_mnist, tmp_path):
-    (tmp_path / "rec").mkdir()
-    r = run_script(SCRIPT, *tiny(tiny_mnist, "--epochs", 2, "--checkpoint", tmp_path / "c.pt",
-                                 "--metrics", tmp_path / "m.jsonl"),
-                   launcher=standalone(2), record=tmp_path / "rec")
-    rows = read_metrics(tmp_path / "m.jsonl")
+def test_torchrun_standalone_trains_and_writes_one_checkpoint(straight):
+    """A run of 2 processes that nothing interrupts (conftest.straight, which other tests
+    compare with): it trains, reports both epochs, respects torchrun's OMP_NUM_THREADS=1 (no
+    thread count given), says which restart it is, writes one checkpoint from one process every
+    epoch and leaves no temporary file; the replicas agree."""
+    d = straight(2)
+    rows, out = read_metrics(d / "m.jsonl"), kept(d, "run").stdout
     assert [row["epoch"] for row in rows] == [1, 2]
     assert all(row["world_size"] == 2 and row["total"] == N_TEST for row in rows)
     assert rows[1]["train_loss"] < rows[0]["train_loss"]
-    assert "1 thread(s) each" in r.stdout  # torchrun's OMP_NUM_THREADS=1 is respected
-    assert "restart 0" in r.stdout
-    saves = [s for s in read_records(tmp_path / "rec", "save") if "c.pt" in s["path"]]
+    assert "1 thread(s) each" in out and "restart 0" in out
+    saves = [s for s in read_records(d / "rec", "save") if "c.pt" in s["path"]]
     assert len(saves) == 2 and len({s["pid"] for s in saves}) == 1  # one writer, every epoch
-    assert sorted(p.name for p in tmp_path.glob("c.pt*")) == ["c.pt"]  # no temp file left
-    a, b = (load(tmp_path / "rec" / f"final-rank{r}.pt") for r in (0, 1))
+    assert sorted(p.name for p in d.glob("c.pt*")) == ["c.pt"]  # no temp file left
+    a, b = (load(d / "rec" / f"final-rank{r}.pt") for r in (0, 1))
     assert all(torch.equal(a[k], b[k]) for k in a)  # the replicas agree
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["legacy launch module", "plain python"])
-def test_other_ways_to_start(tiny_mnist, tmp_path, how):
+def test_other_ways_to_start(tiny_mnist, tmp_path, straight, how):
     """The legacy launcher passes --local-rank (and sets LOCAL_RANK); plain python has neither.
-    Both must train exactly like torchrun at the same world size."""
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    nproc = 2 if how.startswith("legacy") else 1
-    run_script(SCRIPT, *tiny(tiny_mnist, "--checkpoint", ref / "c.pt"),
-               launcher=standalone(nproc), record=ref)
+    Both train exactly what torchrun trains at the same world size (conftest.straight; one
+    process: dp_baseline.py's, every core to it)."""
     (tmp_path / "rec").mkdir()
+    args = ["--data-dir", tiny_mnist, *TRAIN, "--checkpoint", tmp_path / "c.pt"]
     if how.startswith("legacy"):  # the launcher itself warns that it is deprecated: expected
-        r = run_script(SCRIPT, *tiny(tiny_mnist, "--checkpoint", tmp_path / "c.pt"),
-                       launcher=(*LEGACY, "--nproc-per-node=2"), record=tmp_path / "rec",
-                       allow="torch.distributed.launch is deprecated")
+        r = run_script(SCRIPT, *args, launcher=(*LEGACY, "--nproc-per-node=2"),
+                       record=tmp_path / "rec", allow="torch.distributed.launch is deprecated")
         assert "2 processes" in r.stdout
+        assert_same_final_replicas(straight(2) / "rec", tmp_path / "rec", 2)
     else:
-        r = run_script(SCRIPT, *tiny(tiny_mnist, "--checkpoint", tmp_path / "c.pt"),
-                       record=tmp_path / "rec")
+        r = run_script(SCRIPT, *args)
         assert "1 processes" in r.stdout
+    ref = straight(2 if how.startswith("legacy") else 1)
     assert_same_training_state(load(ref / "c.pt"), load(tmp_path / "c.pt"))
-    assert_same_final_replicas(ref, tmp_path / "rec", nproc)
 
 
 @pytest.mark.slow
@@ -90,13 +81,11 @@ def test_pytorchjob_pods_with_rank_and_world_size_only_train_as_torchrun(tiny_mn
     MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK only (no LOCAL_RANK, no GROUP_RANK): each pod
     is a node of one process. Two such pods train what torchrun's 2 processes train, bit for
     bit, to one checkpoint (each died of a KeyError on LOCAL_RANK at 73aa1d9)."""
-    ref = straight(2, 64, 1)
     port, out = free_port(), tmp_path / "run"
     pods = [subprocess.Popen(
-        [sys.executable, str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size", "64",
-         "--log-interval", "5", "--checkpoint", str(out / "c.pt"), "--metrics",
-         str(out / "m.jsonl")], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True,
+        [sys.executable, str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), *map(str, TRAIN),
+         "--checkpoint", str(out / "c.pt"), "--metrics", str(out / "m.jsonl")], cwd=tmp_path,
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         env=script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, RANK=rank,
                        OMP_NUM_THREADS=1)) for rank in range(2)]
     try:
@@ -105,10 +94,11 @@ def test_pytorchjob_pods_with_rank_and_world_size_only_train_as_torchrun(tiny_mn
         [os.killpg(p.pid, signal.SIGKILL) for p in pods if p.poll() is None]
     assert [p.returncode for p in pods] == [0, 0], outs
     assert "2 processes (2 node(s) x 1)" in outs[0][0], outs[0]
-    assert_same_training_state(load(ref / "c.pt"), load(out / "c.pt"))
-    assert [row["world_size"] for row in read_metrics(out / "m.jsonl")] == [2]
+    assert_same_training_state(load(straight(2) / "c.pt"), load(out / "c.pt"))
+    assert [row["world_size"] for row in read_metrics(out / "m.jsonl")] == [2, 2]
 
 
+@pytest.mark.slow
 def test_nodes_of_different_restart_counts_meet_in_the_agents_store(tiny_mnist, tmp_path):
     """Two nodes of one process whose agents count restarts differently (a survivor at 1, its
     replacement at 0) and host their store (TORCHELASTIC_USE_AGENT_STORE, as torchrun's static
@@ -151,53 +141,57 @@ KILL_ARGS = ("--batch-size", 32, "--epochs", 2, "--save-every", 6, "--log-interv
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["rank 1", "rank 0 while writing"])
-def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, straight, victim):
-    """SIGKILL one worker mid-epoch, after the first snapshot. torchrun restarts the group, the
-    script resumes from the snapshot by itself, and the final weights equal a run that was
-    never interrupted. Killing rank 0 while it writes a snapshot (a slow disk, simulated) must
-    leave the previous snapshot intact."""
+def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, straight):
+    """SIGKILL of rank 1 mid-epoch, once the first snapshot is there; then, in the group torchrun
+    restarted, SIGKILL of rank 0 while it writes a snapshot (a slow disk, simulated: each write
+    takes 0.5 s more). Each time torchrun restarts the group and the script resumes from the
+    last whole snapshot by itself, and the half-written one is not it; the final weights equal
+    a run that was never interrupted."""
     snap = tmp_path / "snap.pt"
-
-    def tmp_files():  # the writer's own temporary file (checkpoint.save)
-        return list(tmp_path.glob("snap.pt.*.tmp"))
-    mid_write = victim.endswith("writing")
     (tmp_path / "rec").mkdir()
-    env = script_env(record=tmp_path / "rec", DDP_TEST_STEP_DELAY=0.05,
-                     **({"DDP_TEST_SLOW_SAVE": 0.5} if mid_write else {}))
-    cmd = [sys.executable, *standalone(2, "--max-restarts=1"), str(ROOT / SCRIPT),
+    env = script_env(record=tmp_path / "rec", DDP_TEST_STEP_DELAY=0.05, DDP_TEST_SLOW_SAVE=0.5)
+    cmd = [sys.executable, *standalone(2, "--max-restarts=2"), str(ROOT / SCRIPT),
            "--data-dir", str(tiny_mnist), *map(str, KILL_ARGS), "--checkpoint", str(snap)]
     with process_group(cmd, env) as proc:
-        if mid_write:  # the second snapshot is being written: the first one is complete
-            wait_for(lambda: snap.exists() and tmp_files(), 90, "the second snapshot")
-            [tmp_file] = tmp_files()
-        else:
-            wait_for(snap.exists, 90, "the first snapshot")
-        os.kill(workers_of(proc.pid)[int(victim.split()[1])], signal.SIGKILL)
-        if mid_write:
-            assert load(snap)["step"] == 6  # the previous snapshot, whole
-            with pytest.raises(Exception):  # the one being written was cut off: half a file
-                load(tmp_file)
+        wait_for(snap.exists, 90, "the first snapshot")
+        first = workers_of(proc.pid)
+        os.kill(first[1], signal.SIGKILL)
+
+        def writing():  # the restarted rank 0's own temporary file (checkpoint.save)
+            now = workers_of(proc.pid)
+            if len(now) == 2 and now[0] != first[0]:
+                return [f for f in tmp_path.glob(f"snap.pt.{now[0]}-*.tmp")]
+        wait_for(writing, 90, "a snapshot written by the restarted group")
+        [tmp_file], before = writing(), load(snap)
+        os.kill(workers_of(proc.pid)[0], signal.SIGKILL)
+        after = load(snap)  # the previous snapshot, whole
+        assert (after["epoch"], after["step"]) == (before["epoch"], before["step"])
+        with pytest.raises(Exception):  # the one being written was cut off: half a file
+            load(tmp_file)
         out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, f"{out}\n{err}"
     assert_no_deprecation_warnings(out + err)
     assert "restart 1 (TORCHELASTIC_RESTART_COUNT)" in out
+    assert "restart 2 (TORCHELASTIC_RESTART_COUNT)" in out
     resumed = [ln for ln in out.splitlines() if ln.startswith(f"loaded {snap}")]
-    assert resumed and "+ 0 step(s)" not in resumed[0], out  # resumed in the middle of an epoch
-    uninterrupted = straight(2, 32, 2)  # KILL_ARGS's training, never interrupted
+    assert len(resumed) == 2 and all("+ 0 step(s)" not in ln for ln in resumed), out  # mid-epoch
+    uninterrupted = straight(2)  # KILL_ARGS's training, never interrupted
     assert_same_training_state(load(uninterrupted / "c.pt"), load(snap))
     assert_same_final_replicas(uninterrupted / "rec", tmp_path / "rec", 2)
 
 
 @pytest.mark.slow
-def test_finished_run_resumes_to_nothing(tiny_mnist, tmp_path):
-    """Rerunning the same command after it finished loads the snapshot and trains no more."""
-    args = tiny(tiny_mnist, "--checkpoint", tmp_path / "c.pt", "--metrics", tmp_path / "m.jsonl")
-    run_script(SCRIPT, *args, launcher=standalone(2))
+def test_finished_run_resumes_to_nothing(tiny_mnist, tmp_path, straight):
+    """The command of a run that finished (conftest.straight's, on a copy), run again, loads the
+    snapshot and trains no more: no metrics row, the same checkpoint."""
+    ref = straight(2)
+    for name in ("c.pt", "m.jsonl"):
+        shutil.copy(ref / name, tmp_path / name)
     before = (tmp_path / "c.pt").read_bytes()
-    r = run_script(SCRIPT, *args, launcher=standalone(2))
-    assert "loaded" in r.stdout and "1 epoch(s) + 0 step(s)" in r.stdout
-    assert len(read_metrics(tmp_path / "m.jsonl")) == 1
+    r = run_script(SCRIPT, "--data-dir", tiny_mnist, *TRAIN, "--checkpoint", tmp_path / "c.pt",
+                   "--metrics", tmp_path / "m.jsonl", launcher=standalone(2))
+    assert "loaded" in r.stdout and "2 epoch(s) + 0 step(s)" in r.stdout
+    assert len(read_metrics(tmp_path / "m.jsonl")) == 2
     assert (tmp_path / "c.pt").read_bytes() == before
 
 
@@ -258,11 +252,11 @@ def check_two_node_run(tmp_path, rcs, outs, each_node):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("each_node", [False, True], ids=["one-writer", "save-on-each-node"])
-def test_two_nodes_through_c10d_on_loopback(tiny_mnist, tmp_path, each_node):
-    rcs, outs = start_nodes(tmp_path, tiny_mnist,
-                            [*NODE_ARGS, *(["--save-on-each-node"] if each_node else [])])
-    check_two_node_run(tmp_path, rcs, outs, each_node)
+def test_two_nodes_through_c10d_on_loopback(tiny_mnist, tmp_path):
+    """Two agents meet through the c10d rendezvous; one process in the job writes the checkpoint.
+    (A copy per node: test_two_nodes_in_network_namespaces, test_resume_together.py.)"""
+    rcs, outs = start_nodes(tmp_path, tiny_mnist, NODE_ARGS)
+    check_two_node_run(tmp_path, rcs, outs, each_node=False)
 
 
 @pytest.fixture
@@ -301,7 +295,8 @@ def two_namespaces():
 
 @pytest.mark.slow
 def test_two_nodes_in_network_namespaces(tiny_mnist, tmp_path, two_namespaces):
-    """Closer to two real hosts: each node has its own network stack and address."""
+    """Closer to two real hosts: each node has its own network stack and address, and, with
+    --save-on-each-node, writes its own copy of the checkpoint, the same model."""
     rcs, outs = start_nodes(tmp_path, tiny_mnist, [*NODE_ARGS, "--save-on-each-node"],
                             host=two_namespaces[0]["addr"], netns=two_namespaces)
     check_two_node_run(tmp_path, rcs, outs, each_node=True)
