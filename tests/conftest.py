@@ -110,34 +110,32 @@ def kept(d, name):
 
 @pytest.fixture(scope="session")
 def straight(tiny_mnist, shared):
-    """Runs that nothing interrupts, at global batch 32 for 2 epochs unless asked: straight(nproc,
-    epochs, accumulate) is a folder with its final checkpoint `c.pt`, its metrics `m.jsonl`, its
-    records `rec/` (tests/instrument) and its output (`kept(d, "run")`). One process:
-    dp_baseline.py with every core; more: torchrun_ddp.py with one thread per process, which
-    trains exactly what spawn_ddp.py, apex_ddp.py's native path in fp32, torchrun_fsdp.py in fp32,
-    two nodes of one process and two SLURM nodes train at that world size (tests compare them
-    bit for bit)."""
+    """straight(nproc, epochs=2, accumulate=1), at global batch 32: a run nothing interrupts, a
+    folder with `c.pt`, `m.jsonl`, `rec/` (tests/instrument) and its output (`kept(d, "run")`).
+    One process: dp_baseline.py with every core; more: torchrun_ddp.py, one thread a process,
+    which trains exactly what spawn_ddp.py, apex_ddp.py's native path in fp32, torchrun_fsdp.py
+    in fp32, and nodes of one process train at that world size (tests compare them bit for bit)."""
     def get(nproc, epochs=2, accumulate=1):
         script = "dp_baseline.py" if nproc == 1 else "torchrun_ddp.py"
 
         def make(d):
-            keep(d, "run", run_script(
+            keep(d, "run", run_script(  # torchrun's one thread a process, unasked
                 script, "--data-dir", tiny_mnist, *TRAIN[:2], "--epochs", epochs, "--accumulate",
                 accumulate, "--log-interval", 5, "--checkpoint", d / "c.pt", "--metrics",
-                d / "m.jsonl", record=d / "rec",  # torchrun's one thread a process, as asked
-                launcher=TORCHRUN2[:-1] + (f"--nproc-per-node={nproc}",) if nproc > 1 else ()))
+                d / "m.jsonl", record=d / "rec", nproc=nproc))
         return shared(f"straight-{nproc}x-epochs{epochs}-accumulate{accumulate}", make)
     return get
 
 
-# script: (launcher, its own flags, the straight run it ends as: (nproc, accumulate))
+# script: (its own flags, the straight run it ends as, conftest.straight's (nproc, accumulate))
 PREEMPTED = {
-    "spawn_ddp.py": ((), ("--nproc-per-node", 2, "--workers", 2, "--accumulate", 2), (2, 2)),
-    "torchrun_ddp.py": (TORCHRUN2, ("--workers", 2, "--accumulate", 2), (2, 2)),
-    "torchrun_fsdp.py": (TORCHRUN2, ("--workers", 2, "--accumulate", 2), (2, 2)),
-    "apex_ddp.py": (TORCHRUN2, (), (2, 1)),  # its native path, O1: fp32 on these CPUs
-    "dp_baseline.py": ((), ("--workers", 2), (1, 1)),
+    "spawn_ddp.py": (("--workers", 2, "--accumulate", 2), (2, 2)),
+    "torchrun_ddp.py": (("--workers", 2, "--accumulate", 2), (2, 2)),
+    "torchrun_fsdp.py": (("--workers", 2, "--accumulate", 2), (2, 2)),
+    "apex_ddp.py": ((), (2, 1)),  # its native path, O1: fp32 on these CPUs
+    "dp_baseline.py": (("--workers", 2), (1, 1)),
 }
+UNDER_TORCHRUN = ("torchrun_ddp.py", "torchrun_fsdp.py", "apex_ddp.py")
 # spawn_ddp.py's first run: rank 0's CPU computes bfloat16, rank 1's does not (tests/instrument),
 # and the modules' output dtypes are recorded: --amp auto picks fp32 for the whole job
 # (test_cluster_safety.py's test_one_precision_for_the_whole_job)
@@ -147,27 +145,26 @@ STOPPED_ENV = {"spawn_ddp.py": {"DDP_TEST_CPU_FEATURES": "avx512_bf16=1,amx_bf16
 
 @pytest.fixture(scope="session")
 def preempted(tiny_mnist, shared):
-    """preempted(script): the script's run stopped by SIGTERM to every process of the job (its
-    data workers too, as SLURM and torchrun's os.killpg send it) once rank 0 logged step 5 of
-    epoch 1, and the same command again (with --resume where the script does not resume by
-    itself), which trains to the end. A folder with: the two launches' outputs
-    (`kept(d, "stopped")`, `kept(d, "resumed")`), the snapshot's position (`snapshot.json`),
-    the checkpoint after the resume (`c.pt`, or torchrun_fsdp.py's folder `snap` and
-    `converted.pt`), the resumed run's metrics (`m.jsonl`), the records of each (`rec1/` with
-    DDP_TEST_GPU_RECORD, `rec/` with DDP_TEST_ALLREDUCE_LOG: tests/instrument). Its straight
-    run: PREEMPTED[script][2]. Shared by the tests of every file that checks something of it."""
+    """preempted(script): its run stopped by SIGTERM to every process of the job, data workers
+    too (as SLURM and torchrun send it), once rank 0 logged step 5 of epoch 1, and the same
+    command again (with --resume where the script does not resume by itself). A folder with:
+    their outputs (`kept(d, "stopped")`, `kept(d, "resumed")`), the snapshot's position and the
+    files beside it then (`snapshot.json`), the final checkpoint (`c.pt`, or `snap` and its
+    `converted.pt`), the resumed run's metrics (`m.jsonl`), the records (tests/instrument:
+    `rec1/` with DDP_TEST_GPU_RECORD, `rec/` with DDP_TEST_ALLREDUCE_LOG)."""
     def get(script):
-        launcher, extra, _ = PREEMPTED[script]
+        extra, (nproc, _) = PREEMPTED[script]
+        torchrun = script in UNDER_TORCHRUN
 
         def make(d):
             ckpt = d / ("snap" if script == "torchrun_fsdp.py" else "c.pt")
             group = () if script == "dp_baseline.py" else ("--timeout", 77)
-            cmd = [sys.executable, *launcher, str(ROOT / script), "--data-dir", str(tiny_mnist),
-                   *map(str, (*TRAIN, "--log-interval", 1, *group, *extra)), "--checkpoint",
-                   str(ckpt), "--metrics", str(d / "m.jsonl")]
+            cmd = command(script, nproc, "--data-dir", tiny_mnist, *TRAIN, "--log-interval", 1,
+                          *group, *extra, "--checkpoint", ckpt, "--metrics", d / "m.jsonl")
             (d / "rec1").mkdir()
+            threads_of = {} if torchrun else threads(script)  # torchrun's: 1, unasked
             env = script_env(record=d / "rec1", block="apex", DDP_TEST_STEP_DELAY=0.1,
-                             DDP_TEST_GPU_RECORD=d / "rec1", **threads(script),
+                             DDP_TEST_GPU_RECORD=d / "rec1", **threads_of,
                              **STOPPED_ENV.get(script, {}))
             keep(d, "stopped", sigterm_when(cmd, "epoch 1/2 step 5/", env))
             position = json.loads((ckpt / "run.json").read_text()) if ckpt.is_dir() else \
@@ -175,10 +172,10 @@ def preempted(tiny_mnist, shared):
             (d / "snapshot.json").write_text(json.dumps(
                 {"epoch": position["epoch"], "step": position["step"], "left": sorted(
                     p.name for p in d.iterdir() if p.name.startswith(ckpt.name))}))
-            resume = [] if launcher else ["--resume"]  # torchrun's scripts resume by themselves
+            resume = [] if torchrun else ["--resume"]  # torchrun's scripts resume by themselves
             proc = subprocess.run(cmd + resume, cwd=ROOT, text=True, capture_output=True,
                                   timeout=240, env=script_env(
-                                      record=d / "rec", block="apex", **threads(script),
+                                      record=d / "rec", block="apex", **threads_of,
                                       DDP_TEST_ALLREDUCE_LOG=d / "rec"))
             keep(d, "resumed", proc)
             if ckpt.is_dir():  # as torch's converter makes it one file, once
@@ -206,7 +203,8 @@ def first_epoch(tiny_mnist, shared):
 
 # tasks/NAME.py: its flags (8 steps an epoch at 2 processes), and those of every run of it
 TASKS = {"text": ("--samples", 512, "--batch-size", 64),
-         "regression": ("--samples", 1024, "--batch-size", 128)}
+         "regression": ("--samples", 1024, "--batch-size", 128),
+         "cifar10": ("--dummy", "--batch-size", 64)}  # 512 images of torchvision's FakeData
 TASK_RUN = ("--workers", 2, "--epochs", 2, "--log-interval", 1)
 
 
@@ -281,11 +279,25 @@ def script_env(record=None, block=None, pythonpath=(), gpus=False, **extra):
     return env
 
 
+def command(script, nproc, *args, repo=ROOT):
+    """The command line that starts `script` (of `repo`) with `nproc` processes, and `args`:
+    spawn_ddp.py spawns them itself; the others run under torchrun --standalone, or, one,
+    as a plain process (dp_baseline.py always is)."""
+    if script == "spawn_ddp.py":
+        args = ("--nproc-per-node", nproc, *args)
+    launcher = (*TORCHRUN2[:-1], f"--nproc-per-node={nproc}") if nproc > 1 and script not in (
+        "spawn_ddp.py", "dp_baseline.py") else ()
+    return [sys.executable, *launcher, str(Path(repo) / script), *map(str, args)]
+
+
 def run_script(script, *args, timeout=120, record=None, block=None, check=True, launcher=(),
-               cwd=ROOT, allow=None, pythonpath=(), gpus=False, repo=ROOT, **extra_env):
+               cwd=ROOT, allow=None, pythonpath=(), gpus=False, repo=ROOT, nproc=None,
+               **extra_env):
     """Run a script of the repo (or of a copy of it, `repo`: with_task) under `launcher` (e.g.
-    torchrun's module) as its own process group; kill the group on timeout."""
-    cmd = [sys.executable, *map(str, launcher), str(Path(repo) / script), *map(str, args)]
+    torchrun's module), or with `nproc` processes as `command` starts them, as its own process
+    group; kill the group on timeout."""
+    cmd = command(script, nproc, *args, repo=repo) if nproc else \
+        [sys.executable, *map(str, launcher), str(Path(repo) / script), *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=cwd, env=script_env(record, block, pythonpath, gpus,
                                                          **extra_env),
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -525,17 +537,42 @@ def process_group(cmd, env, cwd=ROOT):
             proc.communicate()
 
 
-def sigterm_when(cmd, line_start, env, cwd=ROOT, timeout=180):
+def together(cmds, cwd=lambda n: ROOT, env=lambda n: {}, timeout=180, **common_env):
+    """The commands started at once, command n in cwd(n) with script_env(**common_env, **env(n)),
+    each as a process group of its own (as nodes of a job, or pods): each CompletedProcess
+    once all ended (the groups killed after `timeout`)."""
+    procs = [subprocess.Popen([str(c) for c in cmd], cwd=cwd(n), text=True,
+                              env=script_env(**{**common_env, **env(n)}), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, start_new_session=True)
+             for n, cmd in enumerate(cmds)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        [os.killpg(p.pid, signal.SIGKILL) for p in procs if p.poll() is None]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+
+
+def spawn_nodes(flags, nodes=2, **kw):
+    """spawn_ddp.py as `nodes` nodes of this machine meeting at a free port of 127.0.0.1, node n
+    with flags(n) (its --nproc-per-node among them): `together`."""
+    port = free_port()
+    return together([[sys.executable, ROOT / "spawn_ddp.py", "--nnodes", nodes, "--node-rank", n,
+                      "--master-addr", "127.0.0.1", "--master-port", port, *flags(n)]
+                     for n in range(nodes)], **kw)
+
+
+def sigterm_when(cmd, line_start, env, cwd=ROOT, timeout=180, alone=False):
     """Runs `cmd` as a process group of its own and, once a line of its output starts with
     `line_start`, sends SIGTERM to the whole group (data workers included, as torchrun's
-    os.killpg and SLURM's scancel do); returns the CompletedProcess once it has ended."""
+    os.killpg and SLURM's scancel do), or to the launcher `alone` (as `kill PID` does);
+    returns the CompletedProcess once it has ended."""
     with process_group(cmd, env, cwd) as proc:
         out = []
         for line in proc.stdout:
             out.append(line)
             if line.startswith(line_start):
                 break
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGTERM) if alone else os.killpg(proc.pid, signal.SIGTERM)
         rest, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out) + rest, err)
 

@@ -21,24 +21,15 @@ import torch
 
 from conftest import ROOT, TRAIN, load, max_rel_diff, read_records, run_script
 
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone")
 STANDIN = ROOT / "tests" / "standin"
 ARGS = (*TRAIN, "--log-interval", 100)  # 19 steps an epoch, 2 epochs
 TOL = dict(rtol=1e-5, atol=1e-7)
 
 
 def run(script, data, procs, *extra, **env):
-    """One training run at `procs` processes; the script's own launcher flag or torchrun's."""
-    launcher = ()
-    if script == "dp_baseline.py":  # one process, no --timeout
-        assert procs == 1
-    elif script == "spawn_ddp.py":
-        extra = ("--nproc-per-node", procs, "--timeout", 30, *extra)
-    else:
-        extra = ("--timeout", 30, *extra)
-        launcher = (*TORCHRUN, f"--nproc-per-node={procs}")
-    return run_script(script, "--data-dir", data, *ARGS, *extra, launcher=launcher,
-                      OMP_NUM_THREADS=1, timeout=240, **env)
+    """One training run at `procs` processes (conftest.command), one thread each."""
+    return run_script(script, "--data-dir", data, *ARGS, *extra, nproc=procs, OMP_NUM_THREADS=1,
+                      timeout=240, **env)
 
 
 def trained(state):
@@ -91,15 +82,8 @@ def test_apex_path_keeps_replicas_equal(tiny_mnist, tmp_path, straight):
     # the same number in every step and process (PyTorch's DDP and FSDP: test_smoke.py)
     per_step = {}
     for rank in (0, 1):
-        steps, current = [], []
-        for row in read_records(rec, "allreduce"):
-            if row["rank"] != rank:
-                continue
-            if row["event"] == "step":
-                steps.append(current)
-                current = []
-            else:
-                current.append(row["event"])
+        seq = " ".join(r["event"] for r in read_records(rec, "allreduce") if r["rank"] == rank)
+        steps = [step.split() for step in seq.split("step")[:-1]]
         assert len(steps) == 38
         for step in steps:
             assert step[:2] == ["loss", "loss"] and set(step[2:]) == {"allreduce"}, step

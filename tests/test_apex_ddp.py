@@ -4,12 +4,11 @@ and a source build; no test here runs it."""
 
 import pytest
 
-from conftest import ROOT, TRAIN, assert_same_training_state, final, kept, load, read_metrics, \
-    read_records, run_script
+from conftest import ROOT, TORCHRUN2, TRAIN, assert_same_training_state, final, kept, load, \
+    read_metrics, read_records, run_script
 
 SCRIPT = "apex_ddp.py"
 STANDIN = ROOT / "tests" / "standin"
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 LEGACY = ("-m", "torch.distributed.launch", "--nproc-per-node=2")
 BF16 = "avx512_bf16=1"  # a CPU with bfloat16 instructions (tests/instrument fakes it)
 CONV = "torch.nn.modules.conv.Conv2d"
@@ -50,7 +49,7 @@ def test_a_resume_keeps_the_precision_of_its_run(tiny_mnist, tmp_path):
     (fake / "__init__.py").write_text('"""Not NVIDIA apex: a package that shares the name."""\n')
     ckpt, metrics = tmp_path / "c.pt", tmp_path / "m.jsonl"
     args = tiny(tiny_mnist, "--checkpoint", ckpt, "--metrics", metrics)
-    r1 = run_script(SCRIPT, *args, "--stop-after", 1, launcher=TORCHRUN,
+    r1 = run_script(SCRIPT, *args, "--stop-after", 1, launcher=TORCHRUN2,
                     pythonpath=[fake.parent], DDP_TEST_CPU_FEATURES=BF16)
     [line] = path_lines(r1)
     assert "apex does not import (ImportError: cannot import name 'amp'" in line
@@ -58,7 +57,7 @@ def test_a_resume_keeps_the_precision_of_its_run(tiny_mnist, tmp_path):
     assert len(said) == 1 and said[0].startswith("precision: bf16 autocast, as this CPU has "), said
     first = load(ckpt)
     assert first["args"]["amp"] == "bf16" and not first["scaler"] and "amp" not in first
-    r2 = run_script(SCRIPT, *args, launcher=TORCHRUN, block="apex",  # resumes by itself
+    r2 = run_script(SCRIPT, *args, launcher=TORCHRUN2, block="apex",  # resumes by itself
                     DDP_TEST_GPU_RECORD=tmp_path)
     assert "loaded" in r2.stdout and "1 epoch(s) + 0 step(s)" in r2.stdout
     assert "precision: bf16 autocast, the precision the checkpoint was trained in (--amp auto)" \
@@ -85,7 +84,7 @@ def test_apex_path_control_flow_with_the_standin(tiny_mnist, tmp_path, straight)
     conftest.straight) bit for bit."""
     log, ckpt = tmp_path / "apex.jsonl", tmp_path / "c.pt"
     args = tiny(tiny_mnist, "--sync-bn", "--checkpoint", ckpt)
-    r1 = run_script(SCRIPT, *args, "--stop-after", 1, launcher=TORCHRUN, pythonpath=[STANDIN],
+    r1 = run_script(SCRIPT, *args, "--stop-after", 1, launcher=TORCHRUN2, pythonpath=[STANDIN],
                     APEX_STANDIN_LOG=log)
     [line] = path_lines(r1)
     assert line.startswith("path: apex (") and "opt level O1" in line

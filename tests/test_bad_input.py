@@ -11,7 +11,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,14 +19,13 @@ import pytest
 import torch
 
 import common
-from conftest import N_TEST, N_TRAIN, ROOT, make_tiny_mnist, run_mains, run_script, \
-    script_env, wait_for, write_idx
+from conftest import N_TEST, N_TRAIN, ROOT, TORCHRUN2, make_tiny_mnist, process_group, run_mains, \
+    run_script, script_env, wait_for, write_idx
 
 SCRIPTS = ("dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py", "torchrun_fsdp.py")
 DDP = SCRIPTS[1:]
 FILE_FORM = SCRIPTS[:4]  # a checkpoint file (torchrun_fsdp.py's is a folder: test_fsdp.py)
 TORCHRUN_RANK_0_OF_2 = {"RANK": "0", "WORLD_SIZE": "2"}  # what torchrun tells the first of 2
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 
 
 def rows(tmp, data):
@@ -141,39 +139,29 @@ def rows(tmp, data):
 def malformed(tmp, data):
     """Copies of the tiny MNIST with one file broken: {case: (data dir, expected fragment)}. What
     torchvision cannot read is named by its split; what it reads but is not MNIST, by the fault."""
-    raw = os.path.join("MNIST", "raw")
     labels, images = "train-labels-idx1-ubyte", "train-images-idx3-ubyte"
+    split = "{raw}/train-*-ubyte: not MNIST files"
+    faults = {  # case: (the file, its new content (a tensor, or of its old bytes), the text)
+        "count mismatch": (labels, torch.zeros(N_TRAIN - 1),
+                           f"{N_TRAIN} images but {N_TRAIN - 1} labels"),
+        "wrong magic": (images, lambda b: b"\x00\x00\x08\x01" + b[4:], split),
+        "wrong dimensions": (images, torch.zeros(N_TRAIN, 32, 32), "32x32 images"),
+        "garbage": ("t10k-images-idx3-ubyte", lambda b: os.urandom(5000),
+                    "{raw}/t10k-*-ubyte: not MNIST files"),
+        "empty": (labels, lambda b: b"", split),
+        "truncated": (images, lambda b: b[:-100], split),
+        "trailing bytes": (images, lambda b: b + b"\0" * 10, split),
+        "label out of range": (labels, torch.full((N_TRAIN,), 12), "labels up to 12"),
+    }
     cases = {}
-
-    def copy(name):
-        d = tmp / f"data-{name}"
+    for case, (name, new, said) in faults.items():
+        d = tmp / f"data-{case.replace(' ', '-')}"
+        r = d / "MNIST" / "raw"
         if not d.exists():
             shutil.copytree(data, d)
-        return d, d / raw
-    d, r = copy("count")
-    write_idx(r / labels, torch.zeros(N_TRAIN - 1))
-    cases["count mismatch"] = (d, f"{N_TRAIN} images but {N_TRAIN - 1} labels")
-    d, r = copy("magic")
-    (r / images).write_bytes(b"\x00\x00\x08\x01" + (r / images).read_bytes()[4:])
-    cases["wrong magic"] = (d, f"{r / 'train-*-ubyte'}: not MNIST files")
-    d, r = copy("dims")
-    write_idx(r / images, torch.zeros(N_TRAIN, 32, 32))
-    cases["wrong dimensions"] = (d, "32x32 images")
-    d, r = copy("garbage")
-    (r / "t10k-images-idx3-ubyte").write_bytes(os.urandom(5000))
-    cases["garbage"] = (d, f"{r / 't10k-*-ubyte'}: not MNIST files")
-    d, r = copy("empty")
-    (r / labels).write_bytes(b"")
-    cases["empty"] = (d, f"{r / 'train-*-ubyte'}: not MNIST files")
-    d, r = copy("truncated")
-    (r / images).write_bytes((r / images).read_bytes()[:-100])
-    cases["truncated"] = (d, f"{r / 'train-*-ubyte'}: not MNIST files")
-    d, r = copy("long")
-    (r / images).write_bytes((r / images).read_bytes() + b"\0" * 10)
-    cases["trailing bytes"] = (d, f"{r / 'train-*-ubyte'}: not MNIST files")
-    d, r = copy("label")
-    write_idx(r / labels, torch.full((N_TRAIN,), 12))
-    cases["label out of range"] = (d, "labels up to 12")
+            write_idx(r / name, new) if torch.is_tensor(new) else \
+                (r / name).write_bytes(new((r / name).read_bytes()))
+        cases[case] = (d, said.format(raw=r))
     return cases
 
 
@@ -280,7 +268,7 @@ def test_unwritable_checkpoint_fails_before_training(tiny_mnist, launch):
     if launch == "spawn":
         r = run_script("spawn_ddp.py", *args, check=False, timeout=120)
     else:
-        r = run_script("torchrun_ddp.py", *args, launcher=TORCHRUN, check=False, timeout=120)
+        r = run_script("torchrun_ddp.py", *args, launcher=TORCHRUN2, check=False, timeout=120)
     assert_error_line(r, "--checkpoint /proc/x/c.pt", "cannot create the folder")
 
 
@@ -306,7 +294,7 @@ def test_malformed_data_fails_with_the_file_named(tiny_mnist, tmp_path, launch):
     if launch == "spawn":
         r = run_script("spawn_ddp.py", *args, check=False, timeout=120)
     else:
-        r = run_script("torchrun_ddp.py", *args, launcher=TORCHRUN, check=False, timeout=120)
+        r = run_script("torchrun_ddp.py", *args, launcher=TORCHRUN2, check=False, timeout=120)
     assert_error_line(r, fragment)
 
 
@@ -343,18 +331,11 @@ def test_disk_turning_read_only_keeps_the_previous_snapshot(tiny_mnist, small_di
     ckpt = small_disk / "c.pt"
     cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),
            *map(str, SAVE_ARGS), "--nproc-per-node", "2", "--timeout", "30", "--checkpoint", str(ckpt)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(DDP_TEST_STEP_DELAY=0.2), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
+    with process_group(cmd, script_env(DDP_TEST_STEP_DELAY=0.2)) as proc:
         wait_for(ckpt.exists, 90, "the first snapshot")
         r = subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], capture_output=True,
                            text=True)
         assert r.returncode == 0, r.stderr
         out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     check_previous_snapshot_kept(subprocess.CompletedProcess(cmd, proc.returncode, out, err),
                                  ckpt, "Read-only file system")

@@ -27,11 +27,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from ddpkit import checkpoint, data, sigterm
-from conftest import ROOT, Watched, agreements, family, free_port, kept, load, process_group, \
-    read_metrics, read_records, script_env, threads, two_ranks_one_device, with_task
+from conftest import ROOT, TORCHRUN2, Watched, agreements, family, free_port, kept, load, \
+    process_group, read_metrics, read_records, script_env, spawn_nodes, threads, \
+    two_ranks_one_device, with_task
 
 ARGS = ("--batch-size", 32, "--log-interval", 1000)  # 19 steps an epoch on the tiny MNIST
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 CONV = "torch.nn.modules.conv.Conv2d"
 
 
@@ -173,7 +173,7 @@ FAILED_RANK_ENDS_JOB = 10
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", [(), TORCHRUN], ids=["spawn", "torchrun"])
+@pytest.mark.parametrize("launcher", [(), TORCHRUN2], ids=["spawn", "torchrun"])
 def test_an_error_in_the_task_is_said_first_and_ends_the_job(tiny_mnist, tmp_path, launcher):
     """Rank 1 raises in the task's loss_fn: its error is the first line, with the task's frame
     (common.py's loss_fn) under it; it leaves the process group, so rank 0, in the step's
@@ -280,22 +280,16 @@ def test_a_node_that_would_train_on_another_backend_is_refused_at_the_meeting(ti
     gloo on the CPU). NCCL and gloo over one store would wait out --timeout; the meeting
     refuses the job instead, in one line per node that names node 1, before anything trains.
     (Node 0's GPU is said by tests/instrument: this machine has none.)"""
-    port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist), *map(str, ARGS),
-         "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1", "--master-addr",
-         "127.0.0.1", "--master-port", str(port), "--timeout", "300", "--checkpoint",
-         str(tmp_path / f"c{n}.pt")], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, env=script_env(DDP_TEST_BACKEND_OF="0:nccl on cuda"))
-        for n in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    rs = spawn_nodes(lambda n: ["--data-dir", tiny_mnist, *ARGS, "--nproc-per-node", 1,
+                                "--timeout", 300, "--checkpoint", tmp_path / f"c{n}.pt"],
+                     cwd=lambda n: tmp_path, DDP_TEST_BACKEND_OF="0:nccl on cuda")
     said = ("error: the processes of node(s) 1 would train with gloo on cpu, the others with "
             "nccl on cuda: every node must see its GPUs (check its driver with nvidia-smi)")
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode != 0, (out, err)
-        assert [ln for ln in err.splitlines() if ln.endswith(said)] != [], err
-        assert "Traceback" not in err and "epoch" not in out, (out, err)
-    assert sum(err.count(said) for _, err in outs) == 2  # once per node
+    for r in rs:
+        assert r.returncode != 0, r
+        assert [ln for ln in r.stderr.splitlines() if ln.endswith(said)] != [], r.stderr
+        assert "Traceback" not in r.stderr and "epoch" not in r.stdout, r
+    assert sum(r.stderr.count(said) for r in rs) == 2  # once per node
     assert not list(tmp_path.glob("*.pt"))
 
 

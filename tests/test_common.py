@@ -411,6 +411,28 @@ def test_an_argparse_namespace_is_all_a_task_needs():
     assert scheduler.get_last_lr()[0] < common.peak_lr(args)  # warming up
 
 
+@pytest.mark.parametrize("batch,rule,lr", [(64, "sqrt", 0.01), (192, "linear", 0.01),
+                                           (1024, "sqrt", 0.02), (64, "none", 0.003)])
+def test_peak_lr_follows_the_rule(batch, rule, lr):
+    """The schedule of 2 epochs of the tiny MNIST (600 samples) at that global batch, step by
+    step, with the scripts' own parser and recipe: its peak is --lr times the rule's factor of
+    batch / 256, reached after a warmup that starts below it. (What a real run's optimizer
+    gets: test_every_process_steps_with_the_lr_it_says.)"""
+    args = flags.parse_args("", "dp", ["--dummy", "--epochs", "2", "--batch-size", str(batch),
+                                       "--lr", str(lr), "--lr-scaling", rule])
+    peak = lr * {"sqrt": (batch / 256) ** 0.5, "linear": batch / 256, "none": 1.0}[rule]
+    assert common.peak_lr(args) == pytest.approx(peak, rel=1e-12)
+    steps = -(-600 // batch)
+    optimizer = common.make_optimizer(common.make_model(args), args)
+    scheduler = common.make_scheduler(optimizer, args, steps)
+    lrs = []
+    for _ in range(2 * steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert max(lrs) == pytest.approx(peak, rel=1e-12) and (lrs[0] < peak or len(lrs) <= 2)
+
+
 def test_a_run_of_one_step_steps_its_schedule():
     """One epoch of one step (the whole training set in one global batch): the warmup is that
     step, and the schedule's step after it ends at 0, where it divided 0 by 0."""

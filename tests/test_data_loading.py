@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 
 from ddpkit import data
-from conftest import N_TRAIN, ROOT, assert_same_training_state, load, max_rel_diff, \
+from conftest import N_TRAIN, ROOT, TORCHRUN2, assert_same_training_state, load, max_rel_diff, \
     run_script, script_env, sigterm_when, with_task
 
 pytestmark = pytest.mark.slow
 
 TASK = (ROOT / "tests" / "tasks" / "augment_dropout.py").read_text()
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 EPOCHS, BATCH = 2, 32  # 19 steps an epoch on the 600 training images
 ARGS = ("--batch-size", BATCH, "--epochs", EPOCHS, "--log-interval", 1, "--timeout", 60)
 
@@ -143,7 +142,7 @@ def test_sigterm_to_every_process_with_workers_then_an_exact_resume(repo, tiny_m
     straight = two_processes
     ckpt, log = tmp_path / "c.pt", tmp_path / "log"
     log.mkdir()
-    cmd = [sys.executable, *TORCHRUN, str(repo / "torchrun_ddp.py"), "--data-dir",
+    cmd = [sys.executable, *TORCHRUN2, str(repo / "torchrun_ddp.py"), "--data-dir",
            str(tiny_mnist), *map(str, ARGS), "--workers", "2", "--checkpoint", str(ckpt)]
     err = sigterm_when(cmd, "epoch 1/2 step 5/", script_env(
         DDP_TEST_STEP_DELAY=0.1, DDP_TEST_TASK_LOG=log, OMP_NUM_THREADS=1), timeout=120).stderr
@@ -152,7 +151,7 @@ def test_sigterm_to_every_process_with_workers_then_an_exact_resume(repo, tiny_m
     assert snap["epoch"] == 0 and snap["step"] >= 5
     before = {key for key in by_sample(log)}
     resumed = tmp_path / "resumed"
-    r = train(repo, resumed, "--workers", 2, "--checkpoint", ckpt, launcher=TORCHRUN,
+    r = train(repo, resumed, "--workers", 2, "--checkpoint", ckpt, launcher=TORCHRUN2,
               data=tiny_mnist)
     assert f"0 epoch(s) + {snap['step']} step(s) trained" in r.stdout
     after = by_sample(resumed)

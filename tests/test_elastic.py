@@ -154,6 +154,16 @@ def lose_b_after_a_snapshot(job):
     wait_gone(worker, 60, "A's worker to fail on its lost peer")
 
 
+def b_joins_after_a_snapshot(job):
+    """Node A (the rendezvous host) runs alone; B starts once A's first snapshot is there;
+    returns when A's agent has stopped its worker to admit B."""
+    job.start("A", is_host=True)
+    wait_for(job.snap.exists, 90, "A's first snapshot")
+    old_worker = job.worker("A")
+    job.start("B", is_host=False)
+    wait_gone(old_worker, 90, "A's agent to stop its worker for the newcomer")
+
+
 def loaded_position(text, snap):
     """(epoch, step) from a worker's "loaded PATH: E epoch(s) + S step(s) trained" lines."""
     lines = [ln for ln in text.splitlines() if ln.startswith(f"loaded {snap}: ")]
@@ -228,11 +238,7 @@ def test_node_join_continues_at_world_size_2(job_factory, tiny_mnist, tmp_path, 
     args = [*ARGS, "--epochs", 3]
 
     job = job_factory(args, env={**SHARE_OFF, "DDP_TEST_STEP_DELAY": 0.2}, rdzv_conf=ALONE)
-    job.start("A", is_host=True)
-    wait_for(job.snap.exists, 90, "A's first snapshot")
-    old_worker = job.worker("A")
-    job.start("B", is_host=False)
-    wait_gone(old_worker, 90, "A's agent to stop its worker for the newcomer")
+    b_joins_after_a_snapshot(job)
     shutil.copy(job.snap, tmp_path / "joined.pt")
     rcs, outs = job.wait()
     assert rcs == {"A": 0, "B": 0}, outs
@@ -291,11 +297,7 @@ def test_node_join_without_the_workaround_fails_today(job_factory, tmp_path):
     docs/clusters.md."""
     job = job_factory([*ARGS, "--epochs", 3], env={"DDP_TEST_STEP_DELAY": 0.2},
                       rdzv_conf=f"{ALONE},read_timeout=5")
-    job.start("A", is_host=True)
-    wait_for(job.snap.exists, 90, "A's first snapshot")
-    old_worker = job.worker("A")
-    job.start("B", is_host=False)
-    wait_gone(old_worker, 90, "A's agent to stop its worker for the newcomer")
+    b_joins_after_a_snapshot(job)
     before = job.snap.read_bytes()
     rcs, outs = job.wait()
     assert rcs["A"] != 0 and rcs["B"] != 0, outs
@@ -315,11 +317,7 @@ def test_resize_to_a_world_size_that_does_not_divide_the_batch(job_factory, tmp_
     job = job_factory(["--batch-size", 33, *ARGS[2:], "--epochs", 3],
                       env={**SHARE_OFF, "DDP_TEST_STEP_DELAY": 0.2}, max_restarts=1,
                       rdzv_conf=ALONE)
-    job.start("A", is_host=True)
-    wait_for(job.snap.exists, 90, "A's first snapshot")
-    old_worker = job.worker("A")
-    job.start("B", is_host=False)
-    wait_gone(old_worker, 90, "A's agent to stop its worker for the newcomer")
+    b_joins_after_a_snapshot(job)
     before = job.snap.read_bytes()
     rcs, outs = job.wait()
     assert rcs["A"] != 0 and rcs["B"] != 0, outs

@@ -24,10 +24,9 @@ pytestmark = pytest.mark.skipif(not NEW_ENOUGH, reason="FSDP2 on a CPU needs tor
 
 
 def run(data, *extra, nproc=2, script=SCRIPT, **kw):
-    launcher = (*TORCHRUN, f"--nproc-per-node={nproc}") if nproc else ()
     data = ("--data-dir", data) if data else ()  # (none for a task without MNIST's flags)
-    return run_script(script, *data, "--log-interval", 5, "--timeout", 30, *extra,
-                      launcher=launcher, OMP_NUM_THREADS=1, **kw)
+    return run_script(script, *data, "--log-interval", 5, "--timeout", 30, *extra, nproc=nproc,
+                      OMP_NUM_THREADS=1, **kw)
 
 
 @pytest.mark.slow
@@ -94,7 +93,7 @@ def test_a_run_continues_at_another_world_size(tiny_mnist, tmp_path, after_epoch
     snap = tmp_path / "snap"
     shutil.copytree(after_epoch_1, snap)  # what the link points to
     r = run(tiny_mnist, "--batch-size", 48, "--epochs", 2, "--checkpoint", snap, "--metrics",
-            tmp_path / "m.jsonl", nproc=nproc if nproc > 1 else 0)
+            tmp_path / "m.jsonl", nproc=nproc)
     assert f"loaded {snap}: 1 epoch(s) + 0 step(s)" in r.stdout
     assert [(row["epoch"], row["world_size"]) for row in read_metrics(tmp_path / "m.jsonl")] \
         == [(2, nproc)]

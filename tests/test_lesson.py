@@ -9,10 +9,9 @@ import re
 import pytest
 import torch
 
-from conftest import N_TEST, ROOT, kept, load, read_records, run_script
+from conftest import N_TEST, ROOT, TORCHRUN2, kept, load, read_records, run_script
 from test_readme import changed_lines
 
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 LINE = re.compile(r"epoch (\d+) train_loss ([\d.]+) test_acc ([\d.]+) correct (\d+) total (\d+)$")
 
 
@@ -69,7 +68,7 @@ def test_three_processes_report_the_whole_test_set_and_the_mean_loss(tiny_mnist,
     rec = tmp_path / "rec"
     rec.mkdir()
     r = run_script("lesson/ddp.py", "--data-dir", tiny_mnist, "--batch-size", 150, "--checkpoint",
-                   tmp_path / "c.pt", launcher=(*TORCHRUN[:-1], "--nproc-per-node=3"),
+                   tmp_path / "c.pt", launcher=(*TORCHRUN2[:-1], "--nproc-per-node=3"),
                    record=rec, timeout=300, OMP_NUM_THREADS=1)
     [(_, loss, _, correct, total)] = epochs(r.stdout)
     module = lesson()
@@ -116,7 +115,7 @@ def test_fsdp_chapter_evaluates_evenly_and_says_what_it_saved(tiny_mnist, tmp_pa
     text = (ROOT / "lesson" / "fsdp.py").read_text()
     assert len(text.splitlines()) <= 160 and changed_lines("lesson/ddp.py", "lesson/fsdp.py") <= 60
     r = run_script("lesson/fsdp.py", "--data-dir", tiny_mnist, "--batch-size", 100,
-                   "--checkpoint", tmp_path / "c.pt", launcher=TORCHRUN, timeout=120,
+                   "--checkpoint", tmp_path / "c.pt", launcher=TORCHRUN2, timeout=120,
                    OMP_NUM_THREADS=1)
     [(_, _, _, correct, total)] = epochs(r.stdout)
     module = lesson()

@@ -5,14 +5,13 @@ spawn_ddp.py with --accumulate 2. (Without workers, from a SIGTERM's snapshot: t
 apex_ddp.py run; torchrun_ddp.py resumes by itself: see its tests.)"""
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import ROOT, assert_same_training_state, load, run_script, script_env, threads, \
-    wait_for
+from conftest import ROOT, assert_same_training_state, load, process_group, run_script, \
+    script_env, threads, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +32,9 @@ def test_killed_job_resumes_mid_epoch_bit_identical(tiny_mnist, tmp_path, straig
 
     snap = tmp_path / "snap.pt"
     cmd = [sys.executable, str(ROOT / script), *map(str, args), "--checkpoint", str(snap)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(DDP_TEST_STEP_DELAY=0.05, **one_thread),
-                            text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    try:
+    with process_group(cmd, script_env(DDP_TEST_STEP_DELAY=0.05, **one_thread)) as proc:
         wait_for(snap.exists, 90, "the first snapshot")
         time.sleep(0.1)
-    finally:
         os.killpg(proc.pid, signal.SIGKILL)  # every process of the job, at once
         proc.communicate()
     state = load(snap)

@@ -1,28 +1,32 @@
-"""Tasks that are not image classification, shipped as files in tasks/ and given by --task:
-text classification with dict samples of 5 to 60 tokens, a padding collate and a small
-Transformer (tasks/text.py; 512 samples here, a small tensor each), and regression with the
-test RMSE as its metric (tasks/regression.py). Each is copied outside the checkout and run
-from there (conftest.task_run, shared with test_fsdp.py), the text task as a module of a
-package (--task mypkg.text), the regression as a file: each trains through spawn_ddp.py with 2
-processes and --workers 2, is stopped by SIGTERM to every process in the middle of an epoch and
-resumes bit-identically (text under spawn_ddp.py, regression under torchrun_ddp.py: each
-launcher's stop is the same code for any task, test_preemption.py), and --evaluate reports the
-task's own metric. A task that does not fit fails in one line, with its own frames under it,
-before the first step (the check leaves no trace: test_data_loading.py)."""
+"""Tasks that are not MNIST, shipped as files in tasks/ and given by --task: text
+classification with dict samples of 5 to 60 tokens, a padding collate and a small Transformer
+(tasks/text.py; 512 samples here, a small tensor each), regression with the test RMSE as its
+metric (tasks/regression.py), and docs/your-own-task.md's first, torchvision's ResNet-18 on
+CIFAR-10-shaped images with RandomCrop and RandomHorizontalFlip (tasks/cifar10.py, with
+--dummy: torchvision's FakeData, no download). Each is copied outside the checkout and run from
+there (conftest.task_run, shared with test_fsdp.py), the text task as a module of a package
+(--task mypkg.text), the others as files: each trains through spawn_ddp.py with 2 processes and
+--workers 2, is stopped by SIGTERM to every process in the middle of an epoch and resumes
+bit-identically, and --evaluate reports the regression's own metric. A task that does not fit
+fails in one line, with its own frames under it, before the first step (the check leaves no
+trace: test_data_loading.py)."""
 import re
-import sys
 
 import pytest
 
-from conftest import ROOT, TASK_RUN, TASKS, assert_same_training_state, given, kept, load, \
-    read_metrics, read_records, run_mains, run_script, script_env, sigterm_when
+from conftest import ROOT, TASK_RUN, TASKS, assert_same_training_state, command, given, kept, \
+    load, read_metrics, read_records, run_mains, run_script, script_env, sigterm_when
 
 pytestmark = pytest.mark.slow
 
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
-METRICS = {  # the metric and what it must reach, and the launcher that stops and resumes it
-    "text": ("test_acc", lambda v: v > 40, "spawn_ddp.py"),
-    "regression": ("test_rmse", lambda v: v < 1.2, "torchrun_ddp.py"),
+METRICS = {  # the metric and what it must reach, the launcher that stops and resumes it, and
+    # the LR line of its own recipe (cifar10's: SGD, the linear rule; FakeData's labels are noise)
+    "text": ("test_acc", lambda v: v > 40, "spawn_ddp.py",
+             "LR 0.003 at batch 256 -> 0.0015 at 64 (square-root rule, for Adam)"),
+    "regression": ("test_rmse", lambda v: v < 1.2, "torchrun_ddp.py",
+                   "LR 0.003 at batch 256 -> 0.002121 at 128 (square-root rule, for Adam)"),
+    "cifar10": ("test_acc", lambda v: 0 <= v <= 100, "torchrun_ddp.py",
+                "LR 0.1 at batch 256 -> 0.025 at 64 (linear rule, for SGD)"),
 }
 MACHINERY = "checkpoint|data|flags|launch|machine|reporting|_ddp"  # files, less common.py
 
@@ -34,11 +38,13 @@ def flags(d, name):
 
 @pytest.mark.parametrize("name", TASKS)
 def test_trains_and_reports_its_own_metric(task_run, tmp_path, name):
-    """conftest.task_run's run of the task: its metric in every epoch, nothing of MNIST
-    prepared. --evaluate of the regression's checkpoint reports its own metric, the RMSE."""
+    """conftest.task_run's run of the task: its metric in every epoch, its own LR recipe,
+    nothing of MNIST prepared. --evaluate of the regression's checkpoint reports its own
+    metric, the RMSE."""
     d = task_run(name)
-    metric, good, _ = METRICS[name]
-    assert f"task {given(d, name)[0]}" in kept(d, "run").stdout.splitlines()
+    metric, good, _, said = METRICS[name]
+    out = kept(d, "run").stdout
+    assert f"task {given(d, name)[0]}" in out.splitlines() and said in out, out
     rows = read_metrics(d / "m.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2] and good(rows[-1][metric]), rows
     assert not (d / "data").exists()  # MNIST's preparation did nothing for another task
@@ -51,15 +57,14 @@ def test_trains_and_reports_its_own_metric(task_run, tmp_path, name):
 
 @pytest.mark.parametrize("name", TASKS)
 def test_stopped_by_sigterm_and_resumed_bit_identical(task_run, tmp_path, name):
-    """SIGTERM to every process in the middle of epoch 1 (text under spawn_ddp.py, regression
-    under torchrun_ddp.py: each launcher's stop is the same code for any task,
-    test_preemption.py), then the resume: it ends where conftest.task_run's run ends."""
+    """SIGTERM to every process in the middle of epoch 1, data workers too (text under
+    spawn_ddp.py, the others under torchrun_ddp.py: each launcher's stop is the same code for
+    any task, test_preemption.py), then the resume: it ends where conftest.task_run's run
+    (spawn_ddp.py's) ends."""
     d = task_run(name)
     script = METRICS[name][2]
     ckpt = tmp_path / "c.pt"
-    launch = [*TORCHRUN, str(ROOT / script)] if script == "torchrun_ddp.py" else \
-        [str(ROOT / script), "--nproc-per-node", "2"]
-    cmd = [sys.executable, *launch, *map(str, flags(d, name)), "--checkpoint", str(ckpt)]
+    cmd = command(script, 2, *flags(d, name), "--checkpoint", ckpt)
     # steps slowed (same results) so that the signal lands in the middle of epoch 1
     err = sigterm_when(cmd, "epoch 1/2 step 3/", script_env(
         DDP_TEST_STEP_DELAY=0.2, OMP_NUM_THREADS=1, pythonpath=given(d, name)[1]),
@@ -70,8 +75,7 @@ def test_stopped_by_sigterm_and_resumed_bit_identical(task_run, tmp_path, name):
     snap = load(ckpt)
     assert snap["epoch"] == 0 and 3 <= snap["step"] < 8, snap["step"]  # mid-epoch 1
     r = run_script(script, *flags(d, name), "--checkpoint", ckpt, "--metrics", tmp_path / "m.jsonl",
-                   *(["--resume", "--nproc-per-node", 2] if script == "spawn_ddp.py" else []),
-                   launcher=TORCHRUN if script == "torchrun_ddp.py" else (), cwd=tmp_path,
+                   *(["--resume"] if script == "spawn_ddp.py" else []), nproc=2, cwd=tmp_path,
                    timeout=300, pythonpath=given(d, name)[1], OMP_NUM_THREADS=1)
     assert f"0 epoch(s) + {snap['step']} step(s) trained" in r.stdout
     assert_same_training_state(load(d / "c.pt"), load(ckpt))

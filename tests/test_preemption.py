@@ -9,23 +9,21 @@ pass it on), a run without a checkpoint, steps slower than the grace allows for,
 stuck in a collective."""
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import ROOT, agreements, load, process_group, read_records, script_env, \
-    session_processes, threads
+from conftest import ROOT, TORCHRUN2, agreements, load, process_group, read_records, script_env, \
+    session_processes, sigterm_when, threads
 
 pytestmark = pytest.mark.slow
 
 PREEMPTED = 143
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 ARGS = ("--batch-size", 32, "--epochs", 2, "--log-interval", 1)  # 19 steps per epoch
 RUNS = {  # script: (launcher, extra flags)
     "spawn_ddp.py": ((), ["--nproc-per-node", 2, "--timeout", 30]),
-    "torchrun_ddp.py": (TORCHRUN, ["--timeout", 30]),
+    "torchrun_ddp.py": (TORCHRUN2, ["--timeout", 30]),
     "dp_baseline.py": ((), []),
 }
 
@@ -36,28 +34,11 @@ def command(script, tiny_mnist, ckpt=None):
             *map(str, ARGS), *map(str, extra), *(["--checkpoint", str(ckpt)] if ckpt else [])]
 
 
-def start_and_signal(cmd, who, after_step=5, **env):
-    """Start the job in its own process group; once rank 0 logged `after_step` steps, send
-    SIGTERM to the whole group (`job`) or to the launcher only (`launcher`)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True,
-                            env=script_env(DDP_TEST_STEP_DELAY=0.1, **env))
-    try:
-        out = []
-        for line in proc.stdout:  # progress lines: "epoch 1/2 step 5/19 ..."
-            out.append(line)
-            if line.startswith("epoch 1/2 step ") and int(line.split()[3].split("/")[0]) >= after_step:
-                break
-        if who == "job":
-            os.killpg(proc.pid, signal.SIGTERM)  # every process, as SLURM sends it
-        else:
-            os.kill(proc.pid, signal.SIGTERM)    # the launcher alone, as `kill PID` does
-        rest, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out) + rest, err)
+def stopped(cmd, alone=False, **env):
+    """`cmd`, with steps slowed, given SIGTERM once rank 0 logged step 5: every process of the
+    job gets it (as SLURM sends it), or the launcher `alone` (as `kill PID` does)."""
+    return sigterm_when(cmd, "epoch 1/2 step 5/", script_env(DDP_TEST_STEP_DELAY=0.1, **env),
+                        alone=alone, timeout=120)
 
 
 @pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py"])
@@ -69,7 +50,7 @@ def test_sigterm_to_the_launcher_alone_stops_every_process_at_one_step(tiny_mnis
     `preempted:` line, a snapshot in the middle of epoch 1 where all stopped, no temporary file,
     no traceback of ours; exit code 143 (torchrun's agent: 1, with its SignalException)."""
     ckpt = tmp_path / "c.pt"
-    r = start_and_signal(command(script, tiny_mnist, ckpt), "launcher", **threads(script))
+    r = stopped(command(script, tiny_mnist, ckpt), alone=True, **threads(script))
     torchrun = bool(RUNS[script][0])
     assert r.returncode == (1 if torchrun else PREEMPTED), f"{r.stdout}\n{r.stderr}"
     lines = [ln for ln in r.stderr.splitlines() if "preempted:" in ln]
@@ -86,7 +67,7 @@ def test_sigterm_to_the_launcher_alone_stops_every_process_at_one_step(tiny_mnis
 def test_sigterm_without_checkpoint_stops_cleanly(tiny_mnist, tmp_path):
     """No --checkpoint: nothing to save, and no stop agreement (its all-reduces, recorded: none),
     but the same clean stop and the same exit code."""
-    r = start_and_signal(command("spawn_ddp.py", tiny_mnist), "job", record=tmp_path)
+    r = stopped(command("spawn_ddp.py", tiny_mnist), record=tmp_path)
     assert r.returncode == PREEMPTED, r.stderr
     assert "nothing saved (no --checkpoint)" in r.stderr
     assert 'File "' + str(ROOT) not in r.stderr
@@ -97,8 +78,7 @@ def test_the_switch_bench_uses_turns_the_check_off(tiny_mnist, tmp_path):
     """Control for docs/speed.md's cost measurement: with DDP_TEST_NO_STOP the same SIGTERM
     changes nothing, the run trains to its end (so the comparison has a real "without"). One
     process: the switch replaces the check itself, as in every script."""
-    r = start_and_signal(command("dp_baseline.py", tiny_mnist, tmp_path / "c.pt"), "job",
-                         DDP_TEST_NO_STOP=1)
+    r = stopped(command("dp_baseline.py", tiny_mnist, tmp_path / "c.pt"), DDP_TEST_NO_STOP=1)
     assert r.returncode == 0 and "preempted" not in r.stderr, r.stderr
     assert "epoch 2 train_loss" in r.stdout
 
@@ -110,12 +90,8 @@ def test_slow_steps_still_stop_within_torchruns_grace(tiny_mnist, tmp_path):
     stop flag and the pace), so the stop and its snapshot come a step or two after the signal:
     well inside the 30 s, where an agreement every 10 steps (50 s) lost the snapshot."""
     ckpt = tmp_path / "c.pt"
-    proc = subprocess.Popen(command("torchrun_ddp.py", tiny_mnist, ckpt), cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, env=script_env(
-                                record=tmp_path, DDP_TEST_STEP_DELAY=5,
-                                **threads("torchrun_ddp.py")))
-    try:
+    env = script_env(record=tmp_path, DDP_TEST_STEP_DELAY=5, **threads("torchrun_ddp.py"))
+    with process_group(command("torchrun_ddp.py", tiny_mnist, ckpt), env) as proc:
         for line in proc.stdout:
             if line.startswith("epoch 1/2 step 2/"):
                 break
@@ -123,10 +99,6 @@ def test_slow_steps_still_stop_within_torchruns_grace(tiny_mnist, tmp_path):
         os.kill(proc.pid, signal.SIGTERM)  # the agent alone: it passes the signal on
         _, err = proc.communicate(timeout=120)
         took = time.monotonic() - signalled
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     assert "preempted: stopped on SIGTERM after step" in err, err
     snap = load(ckpt)
     assert snap["epoch"] == 0 and 2 <= snap["step"] <= 5, snap["step"]

@@ -7,14 +7,13 @@ node, the run resumes and ends bit-identical to one that was never interrupted. 
 agreement, each process decided alone and the two ran different collectives, until --timeout.
 (The SLURM batch files resume with a copy on each node: test_slurm.py.)"""
 import shutil
-import subprocess
 import sys
 import uuid
 
 import pytest
 
 from conftest import ROOT, TRAIN, assert_same_training_state, free_port, load, read_metrics, \
-    script_env
+    spawn_nodes, together
 
 pytestmark = pytest.mark.slow
 
@@ -31,33 +30,31 @@ def never_interrupted(straight):
     return load(straight(2) / "c.pt")
 
 
-def launch(cmds, folders, codes=(0, 0)):
-    """Runs each node's command in its folder: their outputs, once each ended with `codes`."""
-    procs = [subprocess.Popen(cmd, cwd=f, env=script_env(OMP_NUM_THREADS=1), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-             for cmd, f in zip(cmds, folders)]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
-    assert tuple(p.returncode for p in procs) == codes, "\n".join(outs)
-    return outs
+def run_nodes(cmds, folders, codes):
+    """Each node's command in its folder (conftest.together): their outputs, once each ended
+    with `codes`."""
+    rs = together(cmds, cwd=lambda n: folders[n], OMP_NUM_THREADS=1)
+    assert tuple(r.returncode for r in rs) == codes, rs
+    return [r.stdout + r.stderr for r in rs]
 
 
-def torchrun_nodes(tiny_mnist, folders, *extra, codes=(0, 0)):
+def torchrun_nodes(tiny_mnist, folders, codes=(0, 0)):
     port, job = free_port(), uuid.uuid4().hex[:8]
-    return launch([[sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-                    "--nproc-per-node=1", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
-                    str(ROOT / "torchrun_ddp.py"), "--data-dir", str(tiny_mnist),
-                    *map(str, ARGS), *map(str, extra)] for _ in folders], folders, codes)
+    return run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                       "--nproc-per-node=1", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={job}",
+                       ROOT / "torchrun_ddp.py", "--data-dir", tiny_mnist, *ARGS]
+                      for _ in folders], folders, codes)
 
 
-def spawn_nodes(tiny_mnist, folders, *extra, resume_on=(), nproc=1, codes=(0, 0)):
-    port = free_port()
-    return launch([[sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),
-                    "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", str(nproc),
-                    "--master-addr", "127.0.0.1", "--master-port", str(port), *map(str, ARGS),
-                    *map(str, extra), *(["--resume"] if n in resume_on else [])]
-                   for n in range(len(folders))], folders, codes)
+def spawned(tiny_mnist, folders, resume_on=(), nproc=1, codes=(0, 0)):
+    """spawn_ddp.py's nodes (conftest.spawn_nodes), each in its folder: their outputs, once each
+    ended with `codes`."""
+    rs = spawn_nodes(lambda n: ["--data-dir", tiny_mnist, "--nproc-per-node", nproc, *ARGS,
+                                *(["--resume"] if n in resume_on else [])],
+                     cwd=lambda n: folders[n], OMP_NUM_THREADS=1)
+    assert tuple(r.returncode for r in rs) == codes, rs
+    return [r.stdout + r.stderr for r in rs]
 
 
 def refused(outs, line, kept, alone=False):
@@ -104,7 +101,7 @@ def test_spawn_node_without_the_checkpoint_is_refused_in_one_line_per_node(tiny_
     folders = nodes
     (folders[0] / "ckpt" / "c.pt").unlink()
     copy = folders[1] / "ckpt" / "c.pt"
-    outs = spawn_nodes(tiny_mnist, folders, resume_on=[1], nproc=2, codes=(2, 2))
+    outs = spawned(tiny_mnist, folders, resume_on=[1], nproc=2, codes=(2, 2))
     refused(outs, REFUSED.format("0, 1", 0, 2), {copy: copy.read_bytes()}, alone=True)
     assert not (folders[0] / "ckpt" / "c.pt").exists()
 
@@ -115,5 +112,5 @@ def test_a_resume_with_no_checkpoint_on_any_node_is_one_line_per_node(tiny_mnist
     "Terminating process" notice and a launcher line of its own, exit code 1)."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
     [f.mkdir() for f in folders]
-    outs = spawn_nodes(tiny_mnist, folders, resume_on=[0, 1], nproc=2, codes=(2, 2))
+    outs = spawned(tiny_mnist, folders, resume_on=[0, 1], nproc=2, codes=(2, 2))
     refused(outs, "error: no checkpoint at ckpt/c.pt on any node", {}, alone=True)

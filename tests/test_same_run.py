@@ -5,16 +5,12 @@ is refused in one `error:` line that names each one with both values, before any
 written, and the checkpoint stays byte for byte as it was. The same command again continues;
 another world size is the same run; --evaluate compares nothing. A fresh run (no --resume) of
 spawn_ddp.py or dp_baseline.py never overwrites one."""
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT, TRAIN, free_port, read_metrics, run_mains, run_script, script_env
+from conftest import TORCHRUN2, TRAIN, read_metrics, run_mains, run_script, spawn_nodes
 
 BASE = (*TRAIN, "--log-interval", 5)  # the flags of conftest.first_epoch's run
 RUN = (*BASE, "--accumulate", 2)  # of conftest.straight(2, accumulate=2)'s
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 CHANGES = [  # another value for a flag that defines the run: what the refusal must say
     (["--batch-size", "64"], "--batch-size 32 in the checkpoint, 64 now"),
     (["--seed", "1"], "--seed 0 in the checkpoint, 1 now"),
@@ -80,7 +76,7 @@ def test_torchrun_refuses_a_new_run_at_an_old_path_and_continues_the_same(first_
     compares nothing: test_evaluation_counts_the_same_at_any_world_size.)"""
     ckpt, before = first_epoch, first_epoch.read_bytes()
     flags = ["--data-dir", tiny_mnist, *BASE, "--checkpoint", ckpt, "--timeout", 30]
-    r = run_script("torchrun_ddp.py", *flags, "--seed", 7, launcher=TORCHRUN, check=False)
+    r = run_script("torchrun_ddp.py", *flags, "--seed", 7, launcher=TORCHRUN2, check=False)
     assert r.returncode != 0
     lines = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert lines == [f"[rank 0] error: {ckpt} is the checkpoint of another run: --seed 0 in "
@@ -101,17 +97,12 @@ def test_nodes_started_with_other_flags_are_refused(tiny_mnist, tmp_path):
     """Two spawn_ddp.py nodes given two seeds would train two different programs in one job:
     refused by the first process of each node, before anything is written, exit code 2 (bad
     input) from each launcher, which adds no line of its own."""
-    port = free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist), *map(str, BASE),
-         "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1", "--master-addr",
-         "127.0.0.1", "--master-port", str(port), "--seed", str(n), "--timeout", "30",
-         "--checkpoint", str(tmp_path / f"c{n}.pt")], cwd=tmp_path, env=script_env(),
-        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in range(2)]
-    errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], errs
-    for err in errs:
-        assert len(err.strip().splitlines()) == 1, err
+    rs = spawn_nodes(lambda n: ["--data-dir", tiny_mnist, *BASE, "--nproc-per-node", 1, "--seed",
+                                n, "--timeout", 30, "--checkpoint", tmp_path / f"c{n}.pt"],
+                     cwd=lambda n: tmp_path)
+    assert [r.returncode for r in rs] == [2, 2], rs
+    for r in rs:
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "were started with other flags than rank 0's; give every node the same " \
-               "command" in err, err
+               "command" in r.stderr, r.stderr
     assert not list(tmp_path.glob("*.pt"))

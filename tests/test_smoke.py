@@ -1,20 +1,16 @@
 """Every launch style trains, stops on SIGTERM, resumes bit for bit and evaluates, on gloo: the
-core of what the scripts promise, checked on one run per script, and what CI's second
-environment runs with the oldest torch supported (.ci/run).
+scripts' core promises, checked on one run per script (the quick loop's, docs/maintainers.md),
+and what CI's second environment runs with the oldest torch supported (.ci/run).
 
-Each script's run (conftest.preempted) gets SIGTERM in every process of the job, data workers
-too, in the middle of epoch 1, and the same command again continues from the snapshot. It must
-end bit for bit where a run that nothing interrupted ends (conftest.straight): torchrun_ddp.py's
-at the same world size and --accumulate for the DDP and FSDP scripts (apex_ddp.py by its native
-path, at its default O1: fp32 on these CPUs), dp_baseline.py's in one process. spawn_ddp.py,
-torchrun_ddp.py and torchrun_fsdp.py accumulate 2 micro-batches a step, where a gradient
-reduction outside the last one would show. On the same runs: each process's own shard in a new
-order each epoch, the loss averaged over all processes, every test sample counted once by the
-model that was saved (BatchNorm's buffers as it has them), one gradient reduction per
-optimizer step, one writer of whole checkpoints that load weights-only into the plain model,
-and replicas that end equal (docs/maintainers.md says which test guards which promise).
-Evaluation counts the same at 1, 2 and 3 processes (101 test samples divide by neither), and
-the lesson pair (lesson/) trains."""
+Each script's run (conftest.preempted) gets SIGTERM in every process, data workers too, in the
+middle of epoch 1, and the same command continues from the snapshot to where a run nothing
+interrupted ends (conftest.straight), bit for bit: torchrun_ddp.py's at the same world size
+and --accumulate (2 for spawn_ddp.py, torchrun_ddp.py and torchrun_fsdp.py, where a reduction
+outside a step's last micro-batch would show; apex_ddp.py by its native path at its default O1,
+fp32 on these CPUs), dp_baseline.py's in one process. On the same runs: shards, the averaged
+loss, every test sample counted once by the saved model and its BatchNorm statistics, one
+gradient reduction a step, one writer of whole checkpoints that load weights-only, equal
+replicas. Evaluation counts the same at 1, 2 and 3 processes; the lesson pair trains."""
 import json
 from collections import defaultdict
 
@@ -22,8 +18,8 @@ import pytest
 import torch
 
 import common
-from conftest import N_TEST, N_TRAIN, PREEMPTED, ROOT, assert_same_training_state, correct_of, \
-    final, kept, load, read_metrics, read_records, run_script
+from conftest import N_TEST, N_TRAIN, PREEMPTED, ROOT, UNDER_TORCHRUN, \
+    assert_same_training_state, correct_of, final, kept, load, read_metrics, read_records, run_script
 
 FSDP2 = torch.__version__ >= (2, 7)  # FSDP2 on a CPU
 FSDP = pytest.param("torchrun_fsdp.py", marks=pytest.mark.skipif(
@@ -43,10 +39,14 @@ def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(preempted, str
     snapshot there, and the run ends with one `preempted:` line and exit code 143 (torchrun's
     agent: 1, with its own SignalException traceback); no data worker dies of the signal. The
     same command (with --resume where the script does not resume by itself) loads the snapshot
-    and ends where the straight run ends, bit for bit."""
+    and ends where the straight run ends, bit for bit, the loss falling. Under torchrun, the
+    script says which restart it is and keeps the one thread a process that torchrun sets
+    where nobody asked for another."""
     d = preempted(script)
     r, snap = kept(d, "stopped"), json.loads((d / "snapshot.json").read_text())
-    torchrun = bool(PREEMPTED[script][0])
+    torchrun = script in UNDER_TORCHRUN
+    if torchrun:
+        assert "1 thread(s) each, restart 0 (TORCHELASTIC_RESTART_COUNT)" in r.stdout, r.stdout
     assert "DataLoader worker" not in r.stderr, r.stderr
     assert r.returncode == (1 if torchrun else 143), f"{r.stdout}\n{r.stderr}"
     lines = [ln for ln in r.stderr.splitlines() if "preempted:" in ln]
@@ -61,8 +61,10 @@ def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(preempted, str
     resumed = kept(d, "resumed")
     assert resumed.returncode == 0, resumed.stderr
     assert f"loaded {ckpt}: 0 epoch(s) + {snap['step']} step(s) trained" in resumed.stdout
-    assert [row["epoch"] for row in read_metrics(d / "m.jsonl")] == [1, 2]
-    nproc, accumulate = PREEMPTED[script][2]
+    rows = read_metrics(d / "m.jsonl")
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert rows[1]["train_loss"] < rows[0]["train_loss"]
+    nproc, accumulate = PREEMPTED[script][1]
     assert_same_training_state(load(straight(nproc, accumulate=accumulate) / "c.pt"), final(d))
 
 
@@ -114,12 +116,17 @@ def test_the_loss_is_averaged_over_all_processes(preempted, script):
 def test_every_test_sample_is_counted_once_by_the_saved_model(preempted, tiny_mnist, script):
     """The last evaluation counts the 101 test samples once (each process its unpadded share,
     50 and 51, then summed), and what it counts is what the saved model gets right, with the
-    BatchNorm statistics it was saved with (each process updates its own in training)."""
+    BatchNorm statistics it was saved with (each process updates its own in training): the
+    ones every process evaluated with (recorded, as sums)."""
     d = preempted(script)
     last = read_metrics(d / "m.jsonl")[-1]
     assert last["total"] == N_TEST and last["world_size"] == 2
-    right = correct_of(final(d)["model"], tiny_mnist)
-    assert last["correct"] == right and 0 < right, (last, right)
+    saved = final(d)["model"]
+    assert last["correct"] == correct_of(saved, tiny_mnist) > 0, last
+    used = {(r["rank"], r["features"]): r["sums"] for r in read_records(d / "rec", "bn")}
+    assert used == {(rank, len(saved[f"features.{i}.running_mean"])): [saved[
+        f"features.{i}.running_{s}"].sum().item() for s in ("mean", "var")]
+        for rank in (0, 1) for i in (1, 5)}, used
 
 
 @pytest.mark.parametrize("script", CORE)
@@ -132,15 +139,8 @@ def test_one_gradient_reduction_per_optimizer_step(preempted, script):
     events = by_rank(read_records(d / "rec", "allreduce"), "event")
     assert sorted(events) == [0, 1]
     per_step = {}
-    for rank, seq in events.items():
-        steps, current = [], []
-        for event in seq:
-            if event == "step":
-                steps.append(current)
-                current = []
-            else:
-                current.append(event)
-        steps = [step for step in steps if step]  # (DCP's restore steps once with no gradient)
+    for rank, seq in events.items():  # each step's events (DCP's restore steps once, bare)
+        steps = [step.split() for step in " ".join(seq).split("step")[:-1] if step.split()]
         assert len(steps) == 19 * 2 - json.loads((d / "snapshot.json").read_text())["step"]
         for step in steps:
             losses = [i for i, e in enumerate(step) if e == "loss"]
@@ -188,6 +188,20 @@ def test_the_replicas_end_identical(preempted, script):
         assert torch.equal(states[0][k], states[1][k]) and torch.equal(saved[k], states[0][k]), k
 
 
+def test_every_process_steps_with_the_lr_it_says(straight):
+    """A 2-process run of conftest.straight (global batch 32, --lr 0.01, the square-root rule):
+    every process's optimizer steps with the same LR at each step (recorded), warming up to the
+    peak the rule gives, which rank 0 prints (the rule at other batches:
+    test_peak_lr_follows_the_rule)."""
+    d = straight(2, accumulate=2)
+    lrs = by_rank(read_records(d / "rec", "lr"), "lr")
+    assert sorted(lrs) == [0, 1] and lrs[0] == lrs[1] and len(lrs[0]) == 38
+    peak = 0.01 * (32 / 256) ** 0.5
+    assert max(lrs[0]) == pytest.approx(peak, rel=1e-12) and lrs[0][0] < peak
+    assert f"LR 0.01 at batch 256 -> {peak:.4g} at 32 (square-root rule, for Adam)" in \
+        kept(d, "run").stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script,nproc", [("spawn_ddp.py", 3), ("dp_baseline.py", 1)])
 def test_evaluation_counts_the_same_at_any_world_size(tiny_mnist, tmp_path, straight, script,
@@ -197,9 +211,8 @@ def test_evaluation_counts_the_same_at_any_world_size(tiny_mnist, tmp_path, stra
     evaluation, every test sample once; the checkpoint is not written."""
     ref = straight(2) / "c.pt"
     before = ref.read_bytes()
-    launch = ("--nproc-per-node", nproc) if script == "spawn_ddp.py" else ()
-    run_script(script, "--data-dir", tiny_mnist, *launch, "--batch-size", 96, "--seed", 3,
-               "--evaluate", "--checkpoint", ref, "--metrics", tmp_path / "m.jsonl")
+    run_script(script, "--data-dir", tiny_mnist, "--batch-size", 96, "--seed", 3, "--evaluate",
+               "--checkpoint", ref, "--metrics", tmp_path / "m.jsonl", nproc=nproc)
     [row] = read_metrics(tmp_path / "m.jsonl")
     assert row["evaluate"] and row["epoch"] == 2
     assert row["total"] == N_TEST and row["world_size"] == nproc
@@ -231,8 +244,7 @@ def test_the_lesson_trains(lesson_run, name):
 
 @pytest.mark.skipif(FSDP2, reason="this torch has FSDP2 on a CPU: the tests above run it")
 def test_fsdp_names_the_torch_it_needs(tiny_mnist, tmp_path):
-    """torchrun_fsdp.py on a torch before 2.7: one line that names the torch it needs, exit
-    code 2."""
+    """torchrun_fsdp.py on a torch before 2.7: one line naming the torch it needs, exit code 2."""
     r = run_script("torchrun_fsdp.py", "--data-dir", tiny_mnist, "--checkpoint", tmp_path / "s",
                    check=False)
     assert r.returncode == 2 and r.stderr.strip() == "error: torchrun_fsdp.py needs torch " \

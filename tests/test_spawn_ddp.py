@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import N_TEST, ROOT, busy_port, correct_of, free_port, kept, load, read_metrics, \
-    read_records, run_script, script_env, session_processes
+    read_records, run_script, script_env, session_processes, spawn_nodes
 
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
@@ -21,21 +21,13 @@ SCRIPT = "spawn_ddp.py"
 
 def test_module_prefixed_checkpoint_is_accepted(preempted, tmp_path):
     """A checkpoint whose model keys carry DDP's or DataParallel's "module." prefix (as they save
-    it) restores, as the scripts restore it (checkpoint.load and restore), into exactly the
+    it) loads, as the scripts load it (checkpoint.load, load_model_state), into exactly the
     model of the same checkpoint without the prefix (the shared run's, conftest.preempted)."""
-    plain = load(preempted(SCRIPT) / "c.pt")
-    prefixed = {**plain, "model": {f"module.{k}": v for k, v in plain["model"].items()}}
-    torch.save(prefixed, tmp_path / "prefixed.pt")
-    args = plain["args"]
+    plain = load(preempted(SCRIPT) / "c.pt")["model"]
+    torch.save({"model": {f"module.{k}": v for k, v in plain.items()}}, tmp_path / "p.pt")
     model = common.Net()
-    optimizer = torch.optim.Adam(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    position = checkpoint.restore(checkpoint.load(tmp_path / "prefixed.pt"), model, optimizer,
-                                  scheduler, torch.amp.GradScaler("cpu", enabled=False),
-                                  tmp_path / "prefixed.pt", log=lambda line: None)
-    assert position == (args["epochs"], 0)
-    for k, v in plain["model"].items():
-        assert torch.equal(model.state_dict()[k], v), k
+    checkpoint.load_model_state(model, checkpoint.load(tmp_path / "p.pt")["model"], "p.pt")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in plain.items())
 
 
 @pytest.mark.slow
@@ -82,18 +74,10 @@ def test_two_nodes_on_one_machine(tiny_mnist, tmp_path):
     """Two launchers, one per "node", each starting one process, meet through node 0's TCP
     store; the store init_process_group gets waits --timeout (77), not --join-timeout
     (test_init_process_group_gets_a_store_that_waits_the_timeout)."""
-    port = free_port()  # node 0 binds it
-    common_args = [SCRIPT, "--data-dir", tiny_mnist, "--nnodes", 2, "--nproc-per-node", 1,
-                   "--master-addr", "127.0.0.1", "--master-port", port, "--batch-size", 64,
-                   "--timeout", 77]
-    procs = [subprocess.Popen([sys.executable, *map(str, common_args), "--node-rank", str(n),
-                               "--checkpoint", tmp_path / f"node{n}" / "c.pt",
-                               "--metrics", tmp_path / f"m{n}.jsonl"],
-                              cwd=ROOT, env=script_env(record=tmp_path), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for n in (0, 1)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    rs = spawn_nodes(lambda n: ["--data-dir", tiny_mnist, "--nproc-per-node", 1, "--batch-size",
+                                64, "--timeout", 77, "--checkpoint", tmp_path / f"node{n}" / "c.pt",
+                                "--metrics", tmp_path / f"m{n}.jsonl"], record=tmp_path)
+    assert [r.returncode for r in rs] == [0, 0], rs
     [row] = read_metrics(tmp_path / "m0.jsonl")
     assert row["world_size"] == 2 and row["total"] == N_TEST
     assert not (tmp_path / "m1.jsonl").exists()  # only global rank 0 reports
@@ -121,19 +105,13 @@ def test_missing_peer_fails_within_the_join_timeout(tiny_mnist):
 def test_nodes_with_different_process_counts_are_refused(tiny_mnist):
     """Global ranks are node_rank * nproc + local_rank: with 2 processes on node 0 and 1 on
     node 1 they would collide. Every node says so in one line before the group forms."""
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist),
-                               "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", str(2 - n),
-                               "--master-addr", "127.0.0.1", "--master-port", str(port),
-                               "--batch-size", "60"],
-                              cwd=ROOT, env=script_env(), text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for n in (0, 1)]
-    results = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, results):
-        assert p.returncode != 0, out + err
-        errors = [ln for ln in err.splitlines() if "error:" in ln]
-        assert errors and "every node must run the same --nproc-per-node" in errors[0], err
-        assert "Traceback" not in err and "step" not in out
+    rs = spawn_nodes(lambda n: ["--data-dir", tiny_mnist, "--nproc-per-node", 2 - n,
+                                "--batch-size", 60])
+    for r in rs:
+        assert r.returncode != 0, r
+        errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+        assert errors and "every node must run the same --nproc-per-node" in errors[0], r.stderr
+        assert "Traceback" not in r.stderr and "step" not in r.stdout
 
 
 @pytest.mark.slow

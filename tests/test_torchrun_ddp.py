@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import N_TEST, ROOT, TRAIN, assert_no_deprecation_warnings, \
-    assert_same_training_state, free_port, kept, load, process_group, read_metrics, \
-    read_records, run_mains, run_script, script_env, wait_for, workers_of
+    assert_same_training_state, free_port, load, process_group, read_metrics, run_mains, \
+    run_script, script_env, together, wait_for, workers_of
 
 SCRIPT = "torchrun_ddp.py"
 TORCHRUN = ("-m", "torch.distributed.run")  # the `torchrun` command, from this interpreter
@@ -34,25 +34,6 @@ def assert_same_final_replicas(rec_a, rec_b, world_size):
 
 # ---------------------------------------------------------------------------------------------
 # Launchers
-
-@pytest.mark.slow
-def test_torchrun_standalone_trains_and_writes_one_checkpoint(straight):
-    """A run of 2 processes that nothing interrupts (conftest.straight, which other tests
-    compare with): it trains, reports both epochs, respects torchrun's OMP_NUM_THREADS=1 (no
-    thread count given), says which restart it is, writes one checkpoint from one process every
-    epoch and leaves no temporary file; the replicas agree."""
-    d = straight(2)
-    rows, out = read_metrics(d / "m.jsonl"), kept(d, "run").stdout
-    assert [row["epoch"] for row in rows] == [1, 2]
-    assert all(row["world_size"] == 2 and row["total"] == N_TEST for row in rows)
-    assert rows[1]["train_loss"] < rows[0]["train_loss"]
-    assert "1 thread(s) each" in out and "restart 0" in out
-    saves = [s for s in read_records(d / "rec", "save") if "c.pt" in s["path"]]
-    assert len(saves) == 2 and len({s["pid"] for s in saves}) == 1  # one writer, every epoch
-    assert sorted(p.name for p in d.glob("c.pt*")) == ["c.pt"]  # no temp file left
-    a, b = (load(d / "rec" / f"final-rank{r}.pt") for r in (0, 1))
-    assert all(torch.equal(a[k], b[k]) for k in a)  # the replicas agree
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["legacy launch module", "plain python"])
@@ -81,19 +62,14 @@ def test_pytorchjob_pods_with_rank_and_world_size_only_train_as_torchrun(tiny_mn
     MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK only (no LOCAL_RANK, no GROUP_RANK): each pod
     is a node of one process. Two such pods train what torchrun's 2 processes train, bit for
     bit, to one checkpoint (each died of a KeyError on LOCAL_RANK at 73aa1d9)."""
-    port, out = free_port(), tmp_path / "run"
-    pods = [subprocess.Popen(
-        [sys.executable, str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), *map(str, TRAIN),
-         "--checkpoint", str(out / "c.pt"), "--metrics", str(out / "m.jsonl")], cwd=tmp_path,
-        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        env=script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, RANK=rank,
-                       OMP_NUM_THREADS=1)) for rank in range(2)]
-    try:
-        outs = [p.communicate(timeout=180) for p in pods]
-    finally:
-        [os.killpg(p.pid, signal.SIGKILL) for p in pods if p.poll() is None]
-    assert [p.returncode for p in pods] == [0, 0], outs
-    assert "2 processes (2 node(s) x 1)" in outs[0][0], outs[0]
+    out = tmp_path / "run"
+    pods = together([[sys.executable, ROOT / SCRIPT, "--data-dir", tiny_mnist, *TRAIN,
+                      "--checkpoint", out / "c.pt", "--metrics", out / "m.jsonl"]] * 2,
+                    cwd=lambda n: tmp_path, env=lambda rank: {"RANK": rank},
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=2,
+                    OMP_NUM_THREADS=1)
+    assert [p.returncode for p in pods] == [0, 0], pods
+    assert "2 processes (2 node(s) x 1)" in pods[0].stdout, pods[0]
     assert_same_training_state(load(straight(2) / "c.pt"), load(out / "c.pt"))
     assert [row["world_size"] for row in read_metrics(out / "m.jsonl")] == [2, 2]
 
@@ -203,33 +179,22 @@ def start_nodes(tmp_path, tiny_mnist, script_args, nodes=2, started=None, host="
     """One torchrun agent per "node" (only `started` of them, if given), each in its own
     directory (a disk of its own), meeting through the c10d rendezvous on `host`."""
     port, job = free_port(), uuid.uuid4().hex[:8]
-    procs = []
+    cmds = []
     for n in range(nodes if started is None else started):
-        cwd = tmp_path / f"node{n}"
-        cwd.mkdir()
-        env = script_env()
+        (tmp_path / f"node{n}").mkdir()
         prefix, extra = [], []
         if netns:  # run inside the namespace, gloo on its veth end, this node's own address
             prefix = ["ip", "netns", "exec", netns[n]["ns"]]
-            env["GLOO_SOCKET_IFNAME"] = netns[n]["dev"]
             extra = [f"--local-addr={netns[n]['addr']}", f"--rdzv-conf=is_host={int(n == 0)}"]
-        cmd = [*prefix, sys.executable, *TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={job}",
-               *extra, *agent_args, str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist),
-               *map(str, script_args)]
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        cmds.append([*prefix, sys.executable, *TORCHRUN, f"--nnodes={nodes}", "--nproc-per-node=1",
+                     "--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={job}",
+                     *extra, *agent_args, ROOT / SCRIPT, "--data-dir", tiny_mnist, *script_args])
+    rs = together(cmds, cwd=lambda n: tmp_path / f"node{n}", timeout=150, env=lambda n: {
+        "GLOO_SOCKET_IFNAME": netns[n]["dev"]} if netns else {})
+    outs = [r.stdout + r.stderr for r in rs]
     for out in outs:
         assert_no_deprecation_warnings(out)
-    return [p.returncode for p in procs], outs
+    return [r.returncode for r in rs], outs
 
 
 NODE_ARGS = ("--batch-size", 64, "--epochs", 2, "--timeout", 30, "--checkpoint", "ckpt/c.pt",

@@ -11,13 +11,12 @@ import time
 
 import pytest
 
-from conftest import ROOT, Watched, busy_port, load, read_metrics, read_records, script_env, \
-    workers_of
+from conftest import ROOT, TORCHRUN2, Watched, busy_port, load, read_metrics, read_records, \
+    script_env, workers_of
 
 pytestmark = pytest.mark.slow  # about 2 minutes on 2 cores: out of the quick loop
 
 SNIPPETS = ROOT / "tests" / "troubleshooting"
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2")
 # What a rank prints when its collective timed out on gloo: the collective's own timeout, or the
 # pair it used being closed by another operation's timeout a moment earlier (which of the two
 # comes first is a race between gloo's threads).
@@ -49,7 +48,7 @@ def test_stalled_rank_fails_the_job_within_the_step_timeout(tiny_mnist):
             time.sleep(1)  # rank 0 reaches its collective within milliseconds
             threading.Thread(target=spy, args=(run.pid,)).start()
 
-    run = Watched([sys.executable, *TORCHRUN, ROOT / "torchrun_ddp.py", *tiny(tiny_mnist, 300),
+    run = Watched([sys.executable, *TORCHRUN2, ROOT / "torchrun_ddp.py", *tiny(tiny_mnist, 300),
                    "--step-timeout", timeout],
                   script_env(DDP_TEST_STALL=f"1:3:{stall}"), timeout=150, on_line=on_line)
     t_stall, _ = run.first(r"test instrumentation: rank 1 sleeps")

@@ -245,6 +245,15 @@ if RECORD:
         return loss
     torch.nn.functional.cross_entropy = _recording_cross_entropy
 
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    def _record_evaluating_bn(module, _inputs):  # its statistics as a process evaluates with them
+        if isinstance(module, _BatchNorm) and not module.training and dist.is_initialized():
+            _append("bn", {"rank": dist.get_rank(), "features": module.num_features, "sums": [
+                module.running_mean.sum().item(), module.running_var.sum().item()]})
+    register_module_forward_pre_hook(_record_evaluating_bn)
+
     _init_pg = dist.init_process_group
     _ranks = []
 

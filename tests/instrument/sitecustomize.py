@@ -60,8 +60,9 @@ changes none of their results:
                         every Python process appends "PID PPID TEST<tab>COMMAND LINE" to FILE,
                         TEST being pytest's current test: what each test starts
                         (docs/maintainers.md's table)
-With DDP_TEST_RECORD, every optimizer step also records the learning rate it used, and every
-training loss that F.cross_entropy returns is recorded with its rank and its batch's size.
+With DDP_TEST_RECORD, every optimizer step also records the learning rate it used, every
+training loss that F.cross_entropy returns is recorded with its rank and its batch's size, and
+every BatchNorm that runs in eval mode in a process group, its statistics' sums ("bn").
 """
 import os
 import sys
