@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import common
-from conftest import N_TEST, N_TRAIN, ROOT, TORCHRUN2, make_tiny_mnist, process_group, run_mains, \
+from conftest import N_TEST, N_TRAIN, ROOT, make_tiny_mnist, process_group, run_mains, \
     run_script, script_env, wait_for, write_idx
 
 SCRIPTS = ("dp_baseline.py", "spawn_ddp.py", "torchrun_ddp.py", "apex_ddp.py", "torchrun_fsdp.py")
@@ -262,13 +262,11 @@ def assert_error_line(r, *fragments):
     assert "step" not in r.stdout  # no training step was logged
 
 
-@pytest.mark.parametrize("launch", ["spawn", pytest.param("torchrun", marks=pytest.mark.slow)])
-def test_unwritable_checkpoint_fails_before_training(tiny_mnist, launch):
-    args = ["--data-dir", tiny_mnist, "--checkpoint", "/proc/x/c.pt", "--log-interval", 1]
-    if launch == "spawn":
-        r = run_script("spawn_ddp.py", *args, check=False, timeout=120)
-    else:
-        r = run_script("torchrun_ddp.py", *args, launcher=TORCHRUN2, check=False, timeout=120)
+@pytest.mark.parametrize("script", ["spawn_ddp.py", pytest.param("torchrun_ddp.py",
+                                                                   marks=pytest.mark.slow)])
+def test_unwritable_checkpoint_fails_before_training(tiny_mnist, script):
+    r = run_script(script, "--data-dir", tiny_mnist, "--checkpoint", "/proc/x/c.pt",
+                   "--log-interval", 1, nproc=2, check=False, timeout=120)
     assert_error_line(r, "--checkpoint /proc/x/c.pt", "cannot create the folder")
 
 
@@ -285,16 +283,13 @@ def test_detail_debug_level_is_refused_on_gloo(tiny_mnist, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", ["spawn", "torchrun"])
-def test_malformed_data_fails_with_the_file_named(tiny_mnist, tmp_path, launch):
+@pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py"])
+def test_malformed_data_fails_with_the_file_named(tiny_mnist, tmp_path, script):
     """Under torchrun, local rank 0 checks the files while the others wait at a barrier: the
     error must end the job, not leave it hanging."""
     broken, fragment = malformed(tmp_path, tiny_mnist)["count mismatch"]
-    args = ["--data-dir", broken, "--log-interval", 1, "--timeout", 30]
-    if launch == "spawn":
-        r = run_script("spawn_ddp.py", *args, check=False, timeout=120)
-    else:
-        r = run_script("torchrun_ddp.py", *args, launcher=TORCHRUN2, check=False, timeout=120)
+    r = run_script(script, "--data-dir", broken, "--log-interval", 1, "--timeout", 30, nproc=2,
+                   check=False, timeout=120)
     assert_error_line(r, fragment)
 
 

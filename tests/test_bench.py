@@ -23,7 +23,8 @@ def table_rows(text, start="| script"):
 def test_bench_table_on_tiny_data(tiny_mnist):
     """A DDP script at two world sizes, the default beside fp32 in NCHW (the plain table): the
     table, the DDP efficiency column, the ratio lines, and the machine line with the CPU
-    features that decide the precision (faked here). (dp_baseline's rows: the tests below.)"""
+    features that decide the precision (faked here). (dp_baseline's rows: the tests below.)
+    Why 40 s: bench.py launches spawn_ddp.py four times (two world sizes, two settings)."""
     r = run_script("bench.py", "--data-dir", tiny_mnist, "--reps", 1, "--batch-size", 64,
                    "--scripts", "spawn_ddp", "--world-sizes", 1, 2, timeout=400,
                    DDP_TEST_CPU_FEATURES="avx512_f=1,avx512_bf16=0,amx_bf16=1")

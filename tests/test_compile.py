@@ -31,7 +31,8 @@ def test_resume_across_compile_and_eager(tiny_mnist, tmp_path, first_epoch, stra
     """Epoch 1 eager (conftest.first_epoch); epoch 2 resumed with --compile and stopped by
     SIGTERM in its middle: the compiled run's snapshot is a plain common.Net; then the rest of
     epoch 2 resumed without --compile. It ends where the eager run that nothing interrupted ends
-    (conftest.straight), up to rounding, and not exactly (the compiled steps ran)."""
+    (conftest.straight), up to rounding, and not exactly (the compiled steps ran). Why 40 s:
+    inductor builds the compiled model's C++ in each process."""
     ckpt = tmp_path / "c.pt"
     shutil.copy(first_epoch, ckpt)
     cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),

@@ -201,7 +201,8 @@ RESIZE_TOLERANCE = 0.05
 def test_node_loss_survivor_continues_alone(job_factory, tiny_mnist, tmp_path, straight):
     """Two nodes; node B (agent and worker) dies mid-epoch after a snapshot. Node A's worker
     fails on the lost peer, A's agent re-forms the group alone (world size 1, restart 1) and
-    the new worker resumes from the snapshot; the job finishes on A alone."""
+    the new worker resumes from the snapshot; the job finishes on A alone. Why 35 s: a
+    snapshot first, the keep-alive (5 s) that sees B gone, two starts of a group."""
     args = [*ARGS, "--epochs", 2]
 
     job = job_factory(args, env={**SHARE_OFF, "DDP_TEST_STEP_DELAY": 0.1})
@@ -234,7 +235,8 @@ def test_node_loss_survivor_continues_alone(job_factory, tiny_mnist, tmp_path, s
 
 def test_node_join_continues_at_world_size_2(job_factory, tiny_mnist, tmp_path, straight):
     """Node A runs alone; node B arrives mid-run. A's agent stops its worker to admit B, the
-    two form a group of 2 and continue from the last snapshot."""
+    two form a group of 2 and continue from the last snapshot. Why 45 s: A's
+    steps slowed to 0.2 s until B arrives, and two rendezvous rounds."""
     args = [*ARGS, "--epochs", 3]
 
     job = job_factory(args, env={**SHARE_OFF, "DDP_TEST_STEP_DELAY": 0.2}, rdzv_conf=ALONE)
@@ -268,7 +270,8 @@ def test_a_replaced_node_and_the_survivor_finish_the_job(job_factory, tmp_path):
     """Node B dies mid-run; node A goes on alone (its restart count 1); node C, B's
     replacement, joins later (its count 0). torchrun's restart counts are per agent, so the two
     nodes of the new round count differently: the meeting must not depend on them
-    (launch.meet). Both finish at world size 2."""
+    (launch.meet). Both finish at world size 2. Why 45 s: three
+    rendezvous rounds, and the keep-alive (5 s) that sees B gone."""
     job = job_factory([*ARGS, "--epochs", 4], env={**SHARE_OFF, "DDP_TEST_STEP_DELAY": 0.2})
     lose_b_after_a_snapshot(job)
     alone = job.worker("A")

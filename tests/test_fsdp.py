@@ -49,7 +49,7 @@ def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist
     resumes from it by itself, and ends with the model and optimizer state of an uninterrupted
     run of torchrun_ddp.py, bit for bit. The folder holds a shard file per process, each about
     half of the state, and torch's converter makes it a plain state dict that common.py's
-    model loads."""
+    model loads. Why 30 s: two starts of the group, and a slow write."""
     snap, second = tmp_path / "snap", tmp_path / "snap.1"
     cmd = [sys.executable, *TORCHRUN, "--nproc-per-node=2", "--max-restarts=1",
            str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size", "32", "--epochs",

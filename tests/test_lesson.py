@@ -104,8 +104,7 @@ def test_the_lesson_imports_nothing_of_the_repository():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.__version__ < (2, 7),
-                    reason="FSDP2 on a CPU needs torch 2.7")
+@pytest.mark.skipif(torch.__version__ < (2, 7), reason="FSDP2 on a CPU needs torch 2.7")
 def test_fsdp_chapter_evaluates_evenly_and_says_what_it_saved(tiny_mnist, tmp_path):
     """lesson/fsdp.py, at most 160 lines and 60 changed from lesson/ddp.py, at 2 processes and
     --batch-size 100: rank 0 has 2 test batches (50 and 1 of the 101 samples), rank 1 one, and

@@ -133,7 +133,8 @@ def test_batch_file_on_two_nodes(slurm_cluster, tiny_mnist, tmp_path, never_inte
     same submission with --save-on-each-node and the checkpoint on each node's local disk, where
     each node holds a copy of (1)'s snapshot, taken as (1) was requeued: the processes decide
     together to resume, each node writes its own, and both copies equal a run never
-    interrupted, bit for bit. (A node without a copy is refused: test_resume_together.py.)"""
+    interrupted, bit for bit. (A node without a copy is refused: test_resume_together.py.)
+    Why 45 s: two two-node jobs through a real slurmctld, each requeued once (6 s apart)."""
     cluster, shared = slurm_cluster, tmp_path / "runs" / "c.pt"
     for job in ("warned", "each-node"):  # a folder of its own on every node's disk
         for n in NODES:

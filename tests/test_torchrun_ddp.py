@@ -122,7 +122,7 @@ def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, str
     restarted, SIGKILL of rank 0 while it writes a snapshot (a slow disk, simulated: each write
     takes 0.5 s more). Each time torchrun restarts the group and the script resumes from the
     last whole snapshot by itself, and the half-written one is not it; the final weights equal
-    a run that was never interrupted."""
+    a run that was never interrupted. Why 30 s: three starts of the group."""
     snap = tmp_path / "snap.pt"
     (tmp_path / "rec").mkdir()
     env = script_env(record=tmp_path / "rec", DDP_TEST_STEP_DELAY=0.05, DDP_TEST_SLOW_SAVE=0.5)
