@@ -127,7 +127,7 @@ def straight(tiny_mnist, shared):
     return get
 
 
-# script: (its own flags, the straight run it ends as, conftest.straight's (nproc, accumulate))
+# script: (its own flags, the straight run it ends as: conftest.straight's (nproc, accumulate))
 PREEMPTED = {
     "spawn_ddp.py": (("--workers", 2, "--accumulate", 2), (2, 2)),
     "torchrun_ddp.py": (("--workers", 2, "--accumulate", 2), (2, 2)),
@@ -608,7 +608,7 @@ def run_mains(script, cases, timeout=240, **extra_env):
         ready = select.select([proc.stdout], [], [], timeout)[0]
         line = proc.stdout.readline() if ready else ""
         if not line:
-            proc.kill()
+            MAINS.pop(key).kill()  # the next call starts another
             proc.log.seek(0)
             pytest.fail(f"tests/run_mains.py {script} gave no result for {case} within "
                         f"{timeout} s:\n{proc.log.read()}")

@@ -242,8 +242,7 @@ class Cluster:
         self.daemons["munged"] = subprocess.Popen(
             ["munged", "--foreground", f"--socket={m}/munge.socket.2", f"--key-file={key}",
              f"--pid-file={m}/munged.pid", f"--log-file={self.dir}/log/munged.log",
-             f"--seed-file={m}/munged.seed"],
-            stdout=log, stderr=log, start_new_session=True)
+             f"--seed-file={m}/munged.seed"], stdout=log, stderr=log, start_new_session=True)
         self._until(lambda: (m / "munge.socket.2").exists(), 10, "munged's socket")
 
     def _daemon(self, name, host, command):

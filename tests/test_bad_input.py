@@ -129,7 +129,8 @@ def rows(tmp, data):
         (("bench.py",), ["--scripts", "dp_baseline", "--world-sizes", "2"], {}, "no script"),
     ]
     if not torch.cuda.is_available():
-        table.append((SCRIPTS, ["--sync-bn"], {}, "--sync-bn"))
+        table += [((s,), ["--sync-bn"], {}, "--sync-bn needs " + ("the DDP scripts" if s ==
+                   "dp_baseline.py" else "CUDA")) for s in SCRIPTS]
     # Malformed MNIST files: each names the files of its split, and what is wrong if it can.
     for name, (broken, fragment) in malformed(tmp, data).items():
         table.append((SCRIPTS, ["--data-dir", str(broken)], {}, fragment))

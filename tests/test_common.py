@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import common
-from ddpkit import checkpoint, data, flags, sigterm
+from ddpkit import checkpoint, data, flags, reporting, sigterm
 from ddpkit.launch import Place
 from ddpkit.task import SEAM, load_task
 from conftest import N_TEST, N_TRAIN, free_port
@@ -160,8 +160,7 @@ def test_workers_are_forked_once_with_sigterm_blocked_until_they_handle_it():
     from it: what multiprocessing's exit handler sends to daemonic children before it joins them
     (a worker ignoring every SIGTERM would hang its training process at exit)."""
     assert data.worker_options(0) == {}
-    loader = DataLoader(Whereabouts(), batch_size=1, num_workers=2,
-                        **data.worker_options(2))
+    loader = DataLoader(Whereabouts(), batch_size=1, num_workers=2, **data.worker_options(2))
     data.start_workers(loader)
     epochs = [[batch[0].tolist() for batch in loader] for _ in range(2)]
     assert {parent for _, parent in epochs[0]} == {os.getpid()}
@@ -413,11 +412,11 @@ def test_an_argparse_namespace_is_all_a_task_needs():
 
 @pytest.mark.parametrize("batch,rule,lr", [(64, "sqrt", 0.01), (192, "linear", 0.01),
                                            (1024, "sqrt", 0.02), (64, "none", 0.003)])
-def test_peak_lr_follows_the_rule(batch, rule, lr):
+def test_peak_lr_follows_the_rule(batch, rule, lr, capsys):
     """The schedule of 2 epochs of the tiny MNIST (600 samples) at that global batch, step by
     step, with the scripts' own parser and recipe: its peak is --lr times the rule's factor of
     batch / 256, reached after a warmup that starts below it. (What a real run's optimizer
-    gets: test_every_process_steps_with_the_lr_it_says.)"""
+    gets: test_every_process_steps_with_the_lr_it_says.) The run's line says that peak."""
     args = flags.parse_args("", "dp", ["--dummy", "--epochs", "2", "--batch-size", str(batch),
                                        "--lr", str(lr), "--lr-scaling", rule])
     peak = lr * {"sqrt": (batch / 256) ** 0.5, "linear": batch / 256, "none": 1.0}[rule]
@@ -431,6 +430,8 @@ def test_peak_lr_follows_the_rule(batch, rule, lr):
         optimizer.step()
         scheduler.step()
     assert max(lrs) == pytest.approx(peak, rel=1e-12) and (lrs[0] < peak or len(lrs) <= 2)
+    reporting.Reporter(args, Place(), torch.device("cpu"))
+    assert f"LR {lr:g} at batch 256 -> {peak:.4g} at {batch} (" in capsys.readouterr().out
 
 
 def test_a_run_of_one_step_steps_its_schedule():

@@ -72,8 +72,7 @@ class Job:
         env = script_env(OMP_NUM_THREADS=1, **self.env)
         with open(self.dir / f"{name}.out", "w") as out:
             self.agents[name] = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out,
-                                                 stderr=subprocess.STDOUT,
-                                                 start_new_session=True)
+                                                 stderr=subprocess.STDOUT, start_new_session=True)
         return self.agents[name]
 
     def worker(self, name, timeout=90):

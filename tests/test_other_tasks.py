@@ -71,7 +71,7 @@ def test_stopped_by_sigterm_and_resumed_bit_identical(task_run, tmp_path, name):
         cwd=tmp_path).stderr  # to every process, data workers too
     assert "DataLoader worker" not in err, err  # (torchrun's agent prints a traceback of its own)
     assert not re.search(rf'File "[^"]*(common|{MACHINERY})\.py"', err), err
-    assert [ln for ln in err.splitlines() if "preempted:" in ln], err
+    assert sum("preempted:" in ln for ln in err.splitlines()) == 1, err
     snap = load(ckpt)
     assert snap["epoch"] == 0 and 3 <= snap["step"] < 8, snap["step"]  # mid-epoch 1
     r = run_script(script, *flags(d, name), "--checkpoint", ckpt, "--metrics", tmp_path / "m.jsonl",

@@ -5,7 +5,7 @@ writer saves a snapshot there, and the run ends with a `preempted:` line and exi
 A SIGTERM to every process of the job (what SLURM does), and the resume that ends bit-identical
 to a run never interrupted, is each script's shared run (test_smoke.py); here: the signal to
 the launcher alone (what a user's `kill PID` does: spawn_ddp.py's launcher and torchrun's agent
-pass it on), a run without a checkpoint, steps slower than the grace allows for, and a rank
+pass it on), a run without a checkpoint, steps of 5 s inside torchrun's 30 s grace, and a rank
 stuck in a collective."""
 import os
 import signal

@@ -86,8 +86,7 @@ def test_nodes_of_different_restart_counts_meet_in_the_agents_store(tiny_mnist, 
     port = free_port()
     agent = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60))
     env = script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, LOCAL_RANK=0,
-                     LOCAL_WORLD_SIZE=1, TORCHELASTIC_USE_AGENT_STORE="True",
-                     OMP_NUM_THREADS=1)
+                     LOCAL_WORLD_SIZE=1, TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS=1)
     cmd = [sys.executable, str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size",
            "64", "--join-timeout", "30", "--metrics", str(tmp_path / "m.jsonl")]
     with process_group(cmd, {**env, "RANK": "0", "GROUP_RANK": "0",
@@ -142,6 +141,7 @@ def test_killed_worker_restarts_and_ends_bit_identical(tiny_mnist, tmp_path, str
         os.kill(workers_of(proc.pid)[0], signal.SIGKILL)
         after = load(snap)  # the previous snapshot, whole
         assert (after["epoch"], after["step"]) == (before["epoch"], before["step"])
+        assert tmp_file.exists()  # killed mid-write, not after
         with pytest.raises(Exception):  # the one being written was cut off: half a file
             load(tmp_file)
         out, err = proc.communicate(timeout=180)

@@ -57,8 +57,7 @@ def rank_main(rank, device, store, out):
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "bn": type(bn).__name__, "scales": scales,
                    "weights": sum(p.double().sum().item() for p in model.parameters()),
-                   "running_mean": bn.running_mean.tolist(), "stopped": stopped,
-                   "mean": mean}, f)
+                   "running_mean": bn.running_mean.tolist(), "stopped": stopped, "mean": mean}, f)
     dist.destroy_process_group()
 
 
