@@ -173,11 +173,8 @@ def preempted(tiny_mnist, shared):
                 {"epoch": position["epoch"], "step": position["step"], "left": sorted(
                     p.name for p in d.iterdir() if p.name.startswith(ckpt.name))}))
             resume = [] if torchrun else ["--resume"]  # torchrun's scripts resume by themselves
-            proc = subprocess.run(cmd + resume, cwd=ROOT, text=True, capture_output=True,
-                                  timeout=240, env=script_env(
-                                      record=d / "rec", block="apex", **threads_of,
-                                      DDP_TEST_ALLREDUCE_LOG=d / "rec"))
-            keep(d, "resumed", proc)
+            keep(d, "resumed", together([cmd + resume], timeout=240, record=d / "rec", block="apex",
+                                        DDP_TEST_ALLREDUCE_LOG=d / "rec", **threads_of)[0])
             if ckpt.is_dir():  # as torch's converter makes it one file, once
                 torch.save(load(ckpt), d / "converted.pt")
         return shared(f"preempted-{script}", make)

@@ -9,29 +9,23 @@ pass it on), a run without a checkpoint, steps of 5 s inside torchrun's 30 s gra
 stuck in a collective."""
 import os
 import signal
-import sys
 import time
 
 import pytest
 
-from conftest import ROOT, TORCHRUN2, agreements, load, process_group, read_records, script_env, \
-    session_processes, sigterm_when, threads
+from conftest import ROOT, TRAIN, agreements, command, load, process_group, read_records, \
+    script_env, session_processes, sigterm_when, threads
 
 pytestmark = pytest.mark.slow
 
 PREEMPTED = 143
-ARGS = ("--batch-size", 32, "--epochs", 2, "--log-interval", 1)  # 19 steps per epoch
-RUNS = {  # script: (launcher, extra flags)
-    "spawn_ddp.py": ((), ["--nproc-per-node", 2, "--timeout", 30]),
-    "torchrun_ddp.py": (TORCHRUN2, ["--timeout", 30]),
-    "dp_baseline.py": ((), []),
-}
 
 
-def command(script, tiny_mnist, ckpt=None):
-    launcher, extra = RUNS[script]
-    return [sys.executable, *launcher, str(ROOT / script), "--data-dir", str(tiny_mnist),
-            *map(str, ARGS), *map(str, extra), *(["--checkpoint", str(ckpt)] if ckpt else [])]
+def job(script, tiny_mnist, ckpt=None):
+    """`script` at 2 processes (dp_baseline.py: 1) with --timeout 30, 19 steps an epoch."""
+    one = script == "dp_baseline.py"
+    return command(script, 1 if one else 2, "--data-dir", tiny_mnist, *TRAIN, "--log-interval", 1,
+                   *(() if one else ("--timeout", 30)), *(("--checkpoint", ckpt) if ckpt else ()))
 
 
 def stopped(cmd, alone=False, **env):
@@ -50,8 +44,8 @@ def test_sigterm_to_the_launcher_alone_stops_every_process_at_one_step(tiny_mnis
     `preempted:` line, a snapshot in the middle of epoch 1 where all stopped, no temporary file,
     no traceback of ours; exit code 143 (torchrun's agent: 1, with its SignalException)."""
     ckpt = tmp_path / "c.pt"
-    r = stopped(command(script, tiny_mnist, ckpt), alone=True, **threads(script))
-    torchrun = bool(RUNS[script][0])
+    r = stopped(job(script, tiny_mnist, ckpt), alone=True, **threads(script))
+    torchrun = script == "torchrun_ddp.py"
     assert r.returncode == (1 if torchrun else PREEMPTED), f"{r.stdout}\n{r.stderr}"
     lines = [ln for ln in r.stderr.splitlines() if "preempted:" in ln]
     assert len(lines) == 1, r.stderr  # rank 0 says it, once
@@ -67,7 +61,7 @@ def test_sigterm_to_the_launcher_alone_stops_every_process_at_one_step(tiny_mnis
 def test_sigterm_without_checkpoint_stops_cleanly(tiny_mnist, tmp_path):
     """No --checkpoint: nothing to save, and no stop agreement (its all-reduces, recorded: none),
     but the same clean stop and the same exit code."""
-    r = stopped(command("spawn_ddp.py", tiny_mnist), record=tmp_path)
+    r = stopped(job("spawn_ddp.py", tiny_mnist), record=tmp_path)
     assert r.returncode == PREEMPTED, r.stderr
     assert "nothing saved (no --checkpoint)" in r.stderr
     assert 'File "' + str(ROOT) not in r.stderr
@@ -78,7 +72,7 @@ def test_the_switch_bench_uses_turns_the_check_off(tiny_mnist, tmp_path):
     """Control for docs/speed.md's cost measurement: with DDP_TEST_NO_STOP the same SIGTERM
     changes nothing, the run trains to its end (so the comparison has a real "without"). One
     process: the switch replaces the check itself, as in every script."""
-    r = stopped(command("dp_baseline.py", tiny_mnist, tmp_path / "c.pt"), DDP_TEST_NO_STOP=1)
+    r = stopped(job("dp_baseline.py", tiny_mnist, tmp_path / "c.pt"), DDP_TEST_NO_STOP=1)
     assert r.returncode == 0 and "preempted" not in r.stderr, r.stderr
     assert "epoch 2 train_loss" in r.stdout
 
@@ -91,7 +85,7 @@ def test_slow_steps_still_stop_within_torchruns_grace(tiny_mnist, tmp_path):
     well inside the 30 s, where an agreement every 10 steps (50 s) lost the snapshot."""
     ckpt = tmp_path / "c.pt"
     env = script_env(record=tmp_path, DDP_TEST_STEP_DELAY=5, **threads("torchrun_ddp.py"))
-    with process_group(command("torchrun_ddp.py", tiny_mnist, ckpt), env) as proc:
+    with process_group(job("torchrun_ddp.py", tiny_mnist, ckpt), env) as proc:
         for line in proc.stdout:
             if line.startswith("epoch 1/2 step 2/"):
                 break
@@ -113,7 +107,7 @@ def test_a_second_sigterm_to_spawns_launcher_ends_a_rank_stuck_in_a_collective(t
     collective, where no Python handler runs. A SIGTERM to the launcher reaches both and stops
     neither; a second one kills them: the job ends at once, not at --step-timeout (30 s here)
     or after the sleep, and leaves no process behind."""
-    cmd = command("spawn_ddp.py", tiny_mnist, tmp_path / "c.pt")
+    cmd = job("spawn_ddp.py", tiny_mnist, tmp_path / "c.pt")
     env = script_env(DDP_TEST_STALL="1:3:60", **threads("spawn_ddp.py"))
     with process_group(cmd, env) as proc:
         for line in proc.stderr:
