@@ -450,7 +450,7 @@ def test_the_stop_agreement_runs_on_nccl_and_resumes_bit_identical(tiny_mnist, t
     cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), *map(str, flags), "--checkpoint",
            str(stopped)]
     err = conftest.sigterm_when(cmd, "epoch 1/2 step 4/",
-                                   conftest.script_env(record=rec, gpus=True), cwd=tmp_path).stderr
+                                conftest.script_env(record=rec, gpus=True), cwd=tmp_path).stderr
     assert "preempted: stopped on SIGTERM after step" in err, err
     assert not read_records(rec, "group")  # NCCL's group alone
     assert load_on_cpu(stopped)["step"] >= 4
