@@ -125,6 +125,7 @@ def train(place, args, why):
         amp.load_state_dict(ckpt["amp"])
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
                                      args.checkpoint, report.log)
+    report.start(epoch, step, steps)  # --tensorboard's curves go on from this step
     # native: DDP(model, device_ids=[local_rank]). delay_allreduce=True: one all-reduce, after
     # the whole backward pass.
     ddp = ApexDDP(model, delay_allreduce=True)

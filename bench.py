@@ -21,6 +21,7 @@ Flags that bench.py does not know (the task's: --data-dir, --dummy, ...) go to e
 """
 import argparse
 import functools
+import importlib.util
 import itertools
 import json
 import os
@@ -143,6 +144,8 @@ def this_machine():
 
 def main():
     args = parse_args()
+    if args.curves:
+        return save_curves(args.curves, args.png)
     options, variants, configs = plan(args)
     results = {c: [] for c in configs}
     for rep in range(args.reps):  # interleaved: rep 1 of every configuration, then rep 2, ...
@@ -220,7 +223,13 @@ def parse_args():
                    "(default: 900)")
     p.add_argument("--png", metavar="PATH", help="also save a chart of the epoch times (needs "
                    "matplotlib)")
+    p.add_argument("--curves", metavar="DIR", help="run nothing: draw the curves of a "
+                   "--tensorboard folder into --png (needs tensorboard)")
     args, args.task = p.parse_known_args()  # the rest: the task's flags, for every script
+    if args.curves and not (args.png and Path(args.curves).is_dir()):
+        raise common.Fatal(f"--curves {args.curves}: needs --png PATH and a folder")
+    if args.curves and not importlib.util.find_spec("tensorboard"):
+        raise common.Fatal("--curves needs tensorboard: pip install tensorboard")
     if args.baseline is None:  # on for the plain table, off where another option is compared
         others = [args.batch_size, args.lr_scaling, args.workers or [0]]
         args.baseline = "on" if args.amp == ["auto"] and args.channels_last == "default" and all(
@@ -278,7 +287,7 @@ def name(s, v):
 def print_table(results, target):
     metric, op, value = target
     print(f"| script | processes x threads | s to {metric} {op} {value:g} | "
-          f"{metric} mean (worst) | epoch s | samples/s | data wait | DDP efficiency | wall s |")
+          f"{metric} mean (worst) | epoch s | samples/s | data_wait | DDP efficiency | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (s, v, n), rs in results.items():
         ones = results.get((s, v, 1))
@@ -292,7 +301,7 @@ def print_table(results, target):
               f"{'' if reached == len(rs) else f' ({reached}/{len(rs)} reached)'} | "
               f"{statistics.mean(accs):.4g} ({worst:.4g}) | {spread([r['epoch_s'] for r in rs])} | "
               f"{spread([r['samples_s'] for r in rs], '{:.0f}')} | "
-              f"{spread([100 * r['data_wait'] for r in rs], '{:.1f}')}% | {eff} | "
+              f"{spread([r['data_wait'] for r in rs], '{:.3f}')} | {eff} | "
               f"{spread([r['wall'] for r in rs])} |")
 
 
@@ -418,6 +427,44 @@ def save_chart(results, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"\nchart: {path}")
+
+
+def save_curves(folder, path):
+    """A --tensorboard folder as TensorBoard reads it: the loss at each logged step and each
+    epoch's, the first test metric on its own axis, and a dashed line where each later run
+    (a resume) began to write. Returns those runs' first steps."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def read(where):
+        events = EventAccumulator(str(where), size_guidance={"scalars": 0})  # 0: all of them
+        events.Reload()
+        return {t: [(e.step, e.value) for e in events.Scalars(t)]
+                for t in events.Tags()["scalars"]}
+    curves = read(folder)
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    ax.plot(*zip(*curves["step/train_loss"]), lw=1, label="step/train_loss")
+    ax.plot(*zip(*curves["epoch/train_loss"]), "o", label="epoch/train_loss")
+    ax.set_xlabel("global step")
+    ax.set_ylabel("training loss")
+    lines = ax.get_lines()
+    tests = [t for t in curves if t.startswith("epoch/test_")]
+    if tests:
+        right = ax.twinx()
+        lines += right.plot(*zip(*curves[tests[0]]), "s", color="tab:green", label=tests[0])
+        right.set_ylabel(tests[0].split("/")[1])
+    starts = sorted(read(f).get("step/train_loss", [(None,)])[0][0]
+                    for f in Path(folder).glob("events.out.tfevents.*"))
+    for step in [s for s in starts if s][1:]:
+        ax.axvline(step - 0.5, ls="--", color="gray")
+        ax.annotate(f" resumed: step {step} on", (step, sum(ax.get_ylim()) / 2), fontsize=8)
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"chart: {path}")
+    return starts[1:]
 
 
 if __name__ == "__main__":

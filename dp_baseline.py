@@ -53,6 +53,7 @@ def train(place, args):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
                                      args.checkpoint, report.log)
+    report.start(epoch, step, steps)  # --tensorboard's curves go on from this step
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     net = nn.DataParallel(machine.Autocast(model, amp), args.gpus) if cuda else model  # replicas
 

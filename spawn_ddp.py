@@ -70,6 +70,7 @@ def train(place, args, store_file):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
                                      args.checkpoint, report.log)
+    report.start(epoch, step, steps)  # --tensorboard's curves go on from this step
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     ddp = DDP(model, device_ids=[place.local_rank] if cuda else None)  # backward averages gradients
     net = torch.compile(ddp) if args.compile else ddp  # compiled after the wrap, as documented

@@ -93,6 +93,7 @@ def train(place, args):
     scaler = ShardedGradScaler(device.type, enabled=args.amp == "fp16")  # overflow in any shard
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
                                      args.checkpoint, report.log)
+    report.start(epoch, step, steps)  # --tensorboard's curves go on from this step
     net = torch.compile(model) if args.compile else model
 
     def save(epoch, step):  # every process writes its shards (checkpoint.save_sharded)

@@ -159,9 +159,10 @@ NO_RESUME, RESUME_IF_FOUND, RESUME = 0, 1, 2  # what one process asks for
 # a task's own too, except a task's flag named --*-dir, --*-path or --*-file (where its data
 # is, not what). docs/preemption.md#one-run-one-checkpoint says why each is where it is.
 NOT_THE_RUN = {"stop_after", "workers", "channels_last", "compile", "checkpoint", "save_every",
-               "resume", "evaluate", "metrics", "log_interval", "save_on_each_node", "timeout",
-               "step_timeout", "join_timeout", "nproc_per_node", "nnodes", "node_rank",
-               "master_addr", "master_port", "local_rank", "gpus", "native"}
+               "resume", "evaluate", "metrics", "tensorboard", "log_interval",
+               "save_on_each_node", "timeout", "step_timeout", "join_timeout", "nproc_per_node",
+               "nnodes", "node_rank", "master_addr", "master_port", "local_rank", "gpus",
+               "native"}
 
 
 def run_flags(args):
@@ -177,17 +178,28 @@ def check_same_run(args, ckpt, path):
     --evaluate compares the task alone, which the checkpoint names but never chooses."""
     then = ckpt.get("args", {})
     if args.evaluate:
-        if then.get("task", args.task) != args.task:
+        if not same_task(then.get("task", args.task), args.task):
             mine, theirs = (f"--task {t}" if t else "no --task (MNIST)"
                             for t in (args.task, then["task"]))
             raise Fatal(f"{path} was trained with {theirs}, this run has {mine}: evaluate it "
                         f"with {theirs}")
         return
     differ = [differs(k, then[k], v) for k, v in sorted(run_flags(args).items())
-              if k in then and then[k] != v]
+              if k in then and then[k] != v and not (k == "task" and same_task(then[k], v))]
     if differ:
         raise Fatal(f"{path} is the checkpoint of another run: {'; '.join(differ)}. Give its "
                     "flags to continue it, or another --checkpoint to start a new run")
+
+
+def same_task(then, now):
+    """Whether two --task values name one task: the same file however it is spelled (relative or
+    absolute, through a link), or where the checkpoint's file is not here (another machine or
+    folder), a file of the same name (the module it is imported as); a module, by its name."""
+    if then == now or not (then and now and then.endswith(".py") and now.endswith(".py")):
+        return then == now
+    if os.path.isfile(then) and os.path.isfile(now):  # a relative path: from here, as trained
+        return os.path.samefile(then, now)
+    return os.path.basename(then) == os.path.basename(now)
 
 
 def differs(dest, then, now):

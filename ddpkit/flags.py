@@ -100,6 +100,9 @@ def parse_args(description, launcher, argv=None):
     a("--resume", action="store_true", help="continue from --checkpoint")
     a("--evaluate", action="store_true", help="evaluate the model in --checkpoint and exit")
     a("--metrics", metavar="PATH", help="append one JSON object per epoch (rank 0)")
+    a("--tensorboard", metavar="DIR", help="also write the progress lines' and --metrics' "
+      "numbers as TensorBoard curves in DIR (rank 0); a resumed run continues them (needs "
+      "pip install tensorboard; view: tensorboard --logdir DIR)")
     a("--log-interval", type=positive_int, default=50, metavar="STEPS",
       help="progress line every this many steps" + d)
     if launcher == "dp":
@@ -174,8 +177,15 @@ def check_args(args, task, place=None, elastic=False, cuda=None, sharded=False):
     if sharded and args.save_on_each_node:
         raise Fatal("--save-on-each-node: torchrun_fsdp.py's checkpoint is one folder that all "
                     "processes write their shards to, on a filesystem every node shares")
+    if args.tensorboard:  # optional: the scripts need only torch and torchvision
+        try:
+            import tensorboard  # noqa: F401 (the package alone: 1 ms; its writer on rank 0)
+        except ImportError:
+            raise Fatal("--tensorboard needs the tensorboard package: pip install tensorboard") \
+                from None
     for flag, path, folder in (("--checkpoint", args.checkpoint, sharded),
-                               ("--metrics", args.metrics, False)):
+                               ("--metrics", args.metrics, False),
+                               ("--tensorboard", args.tensorboard, True)):
         if path and os.path.exists(path) and os.path.isdir(path) != folder:
             kinds = ("file", "folder") if folder else ("folder", "file")
             raise Fatal(f"{flag} {path} is a {kinds[0]}; give a {kinds[1]} path")
@@ -220,6 +230,8 @@ def check_args(args, task, place=None, elastic=False, cuda=None, sharded=False):
                 raise Fatal(f"port {args.master_port} is already in use on this machine; choose "
                             "another --master-port") from None
     outputs = [("--metrics", args.metrics)] if place.node == 0 else []
+    if not args.evaluate and place.node == 0 and args.tensorboard:  # a folder: a file in it
+        outputs.append(("--tensorboard", os.path.join(args.tensorboard, "events")))
     if not args.evaluate and writes:
         outputs.append(("--checkpoint", args.checkpoint))
     for flag, path in [(f, p) for f, p in outputs if p]:  # created (and said) or refused now

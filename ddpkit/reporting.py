@@ -1,5 +1,6 @@
-"""What the run says: rank 0's lines on the console and in --metrics, and each epoch's loss,
-samples and seconds (EpochStats), gathered on the device without a sync per step."""
+"""What the run says: rank 0's lines on the console, in --metrics and in --tensorboard's curves
+(the same numbers, from one place), and each epoch's loss, samples and seconds (EpochStats),
+gathered on the device without a sync per step."""
 import json
 import os
 import time
@@ -22,8 +23,22 @@ class Reporter:
         if getattr(args, "gpus", None) and device.type == "cuda":  # dp_baseline.py
             self.log(f"DataParallel over GPU(s) {args.gpus}, gathering on {device}")
         self.log(f"task {args.task or 'common.py'}")
-        self.log(f"LR {args.lr:g} at batch {common.REFERENCE_BATCH} -> {common.peak_lr(args):.4g} "
-                 f"at {args.batch_size} ({common.LR_RULES[args.lr_scaling]})")
+        if not args.evaluate:  # the training's rule; an evaluation trains nothing
+            self.log(f"LR {args.lr:g} at batch {common.REFERENCE_BATCH} -> "
+                     f"{common.peak_lr(args):.4g} at {args.batch_size} "
+                     f"({common.LR_RULES[args.lr_scaling]})")
+        self.board, self.steps = None, 0
+
+    def start(self, epoch, step, steps):
+        """Training continues after `step` steps of epoch `epoch` (0, 0: a new run), `steps` an
+        epoch: the same at any world size, ceil(samples / global batch). --tensorboard's curves
+        go on at the next global step in the folder's run; from that step on, what an earlier
+        run wrote there (after the snapshot it stopped at) is dropped when TensorBoard reads the
+        folder (purge_step): every step once, in order. --evaluate writes nothing."""
+        self.steps = steps
+        if self.on and self.args.tensorboard and not self.args.evaluate:
+            from torch.utils.tensorboard import SummaryWriter  # 0.3 s of imports: rank 0's only
+            self.board = SummaryWriter(self.args.tensorboard, purge_step=epoch * steps + step + 1)
 
     def log(self, msg):
         if self.on:
@@ -33,6 +48,7 @@ class Reporter:
         rate = stats.seen * self.world_size / max(time.perf_counter() - stats.start, 1e-9)
         self.log(f"epoch {epoch + 1}/{self.args.epochs} step {step}/{steps} loss {loss:.4f} "
                  f"lr {lr:.3g} {rate:.0f} samples/s")
+        self.curves("step", epoch * steps + step, train_loss=loss, lr=lr, samples_per_s=rate)
 
     def record(self, **fields):
         """One epoch (or an evaluation): a line on the console, a JSON line in --metrics."""
@@ -42,6 +58,16 @@ class Reporter:
         if self.on and self.args.metrics:
             with open(self.args.metrics, "a") as f:
                 f.write(json.dumps(fields) + "\n")
+        self.curves("epoch", fields["epoch"] * self.steps, **fields)
+
+    def curves(self, prefix, step, **fields):
+        """--tensorboard: each number as the curve PREFIX/KEY (step/train_loss, epoch/test_acc),
+        at the global step, on the disk at once: a snapshot never holds a step the file lacks."""
+        if self.board:
+            for k, v in fields.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "epoch":
+                    self.board.add_scalar(f"{prefix}/{k}", v, step)
+            self.board.flush()
 
 
 class EpochStats:

@@ -91,8 +91,8 @@ def first_call_checked(loss_fn):
                     and output.shape != target.shape:
                 try:
                     torch.broadcast_shapes(output.shape, target.shape)
-                    e.task_note = f"; output {list(output.shape)} and target " \
-                                  f"{list(target.shape)} only broadcast to each other"
+                    e.task_note = f"output {list(output.shape)} and target " \
+                                  f"{list(target.shape)} only broadcast to each other; "
                 except RuntimeError:
                     pass
             raise
@@ -105,7 +105,7 @@ def failure(e):
     """(`error:`'s line and the frames under it, the exit code) for an exception. One raised in
     the task's code (a function of the task, the model's forward, the dataset): its line and the
     frames of the task's files alone; up to the first loss (`CHECKING`) the line says "the task
-    does not fit the scripts: PART raised ...", and the code is 2, bad input. Any other: its
+    does not fit the scripts" (`misfit`), and the code is 2, bad input. Any other: its
     line, its frames but the first (main's), and code 1."""
     walked = list(traceback.walk_tb(e.__traceback__))
     codes = [frame.f_code for frame, _ in walked]
@@ -123,7 +123,22 @@ def failure(e):
             traceback.extract_tb(e.__traceback__)[1:])).rstrip(), 1
     kept = [(f, n) for f, n in walked if f.f_code.co_filename in files
             and f.f_code not in helpers]
-    line = f"the task does not fit the scripts: {part} raised {common.reason(e)}" \
-        f"{getattr(e, 'task_note', '')} (docs/your-own-task.md)" if CHECKING else common.reason(e)
+    line = misfit(e, part, codes) if CHECKING else common.reason(e)
     frames = "".join(traceback.StackSummary.extract(kept).format()).rstrip()
     return f"{line}\n{frames}".rstrip(), 2 if CHECKING else 1
+
+
+def misfit(e, part, codes):
+    """The line of a task that does not fit: where it failed, our diagnosis, then the error's
+    words, cut: about 200 characters where we diagnosed it, else up to 260 with "[rank N]
+    error: " (the error's words are the diagnosis)."""
+    step = common.evaluate.__code__ not in codes and part.startswith(
+        ("loss_fn", "collate", "the model's forward", "the dataset"))  # (make_optimizer's: no)
+    mode = part == "the model's forward"  # which passed in eval mode, before training
+    said = "the task does not fit the scripts" + " in the first training step" * step + (
+        " (train mode; the evaluation-mode check passed)" * (step and mode)) + \
+        f": {getattr(e, 'task_note', '')}"
+    words, doc = f"{part} raised {common.reason(e)}", " (docs/your-own-task.md)"
+    room = max((200 if getattr(e, "task_note", "") else 243) - len(said) - len(doc), 40)
+    return said + (words if len(words) <= room else words[:room - 3] + "...") + doc
+

@@ -150,7 +150,8 @@ def preempted(tiny_mnist, shared):
     command again (with --resume where the script does not resume by itself). A folder with:
     their outputs (`kept(d, "stopped")`, `kept(d, "resumed")`), the snapshot's position and the
     files beside it then (`snapshot.json`), the final checkpoint (`c.pt`, or `snap` and its
-    `converted.pt`), the resumed run's metrics (`m.jsonl`), the records (tests/instrument:
+    `converted.pt`), the resumed run's metrics (`m.jsonl`), both runs' curves (`tb/`,
+    --tensorboard), the records (tests/instrument:
     `rec1/` with DDP_TEST_GPU_RECORD, `rec/` with DDP_TEST_ALLREDUCE_LOG)."""
     def get(script):
         extra, (nproc, _) = PREEMPTED[script]
@@ -160,7 +161,8 @@ def preempted(tiny_mnist, shared):
             ckpt = d / ("snap" if script == "torchrun_fsdp.py" else "c.pt")
             group = () if script == "dp_baseline.py" else ("--timeout", 77)
             cmd = command(script, nproc, "--data-dir", tiny_mnist, *TRAIN, "--log-interval", 1,
-                          *group, *extra, "--checkpoint", ckpt, "--metrics", d / "m.jsonl")
+                          *group, *extra, "--checkpoint", ckpt, "--metrics", d / "m.jsonl",
+                          "--tensorboard", d / "tb")
             (d / "rec1").mkdir()
             threads_of = {} if torchrun else threads(script)  # torchrun's: 1, unasked
             env = script_env(record=d / "rec1", block="apex", DDP_TEST_STEP_DELAY=0.1,
@@ -336,6 +338,16 @@ def assert_no_deprecation_warnings(text, allow=None):
 
 def read_metrics(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def read_tensorboard(folder):
+    """{tag: [(step, value), ...]} as TensorBoard reads the folder (its EventAccumulator, which
+    applies a restarted writer's purge_step), in the order it keeps them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep them all
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}
 
 
 class Watched:

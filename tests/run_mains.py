@@ -78,6 +78,10 @@ for line in sys.stdin:
     case = json.loads(line)
     env = dict(os.environ)
     os.environ.update(case.get("env", {}))
+    blocked = case.get("env", {}).get("DDP_TEST_BLOCK")  # as sitecustomize blocks it at a start
+    if blocked:
+        unblocked = sys.modules.get(blocked)
+        sys.modules[blocked] = None  # `import NAME` raises ImportError
     sys.argv = [script, *case["argv"]]
     out, err = io.StringIO(), io.StringIO()
     result = {"argv": case["argv"], "code": 0, "started": False}
@@ -93,6 +97,8 @@ for line in sys.stdin:
         except BaseException:  # a traceback is what the table exists to catch
             traceback.print_exc()
             result["code"] = "traceback"
+    if blocked:
+        sys.modules.pop(blocked) if unblocked is None else sys.modules.update({blocked: unblocked})
     if dist.is_initialized():
         dist.destroy_process_group()
     os.environ.clear()

@@ -74,6 +74,10 @@ def rows(tmp, data):
         (SCRIPTS, ["--checkpoint", folder], {}, "--checkpoint"),          # a folder
         (SCRIPTS, ["--metrics", "/proc/x/m.jsonl"], {}, "--metrics"),
         (SCRIPTS, ["--metrics", folder], {}, "--metrics"),
+        (SCRIPTS, ["--tensorboard", str(tmp / "tb")], {"DDP_TEST_BLOCK": "tensorboard"},
+         "--tensorboard needs the tensorboard package: pip install tensorboard"),
+        (SCRIPTS, ["--tensorboard", existing], {}, "--tensorboard"),  # a file
+        (SCRIPTS, ["--tensorboard", "/proc/x/tb"], {}, "--tensorboard"),  # cannot create
         (SCRIPTS, ["--log-interval", "0"], {}, "--log-interval"),
         (SCRIPTS, ["--no-such-flag"], {}, "--no-such-flag"),
         (SCRIPTS, ["--data-dir", "/dev/null"], {}, "/dev/null"),

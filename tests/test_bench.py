@@ -1,6 +1,7 @@
 """bench.py runs the real scripts and builds its table from their --metrics output. The
 numbers themselves are not checked here (timings on shared machines belong to the benchmark,
 not to tests); the table's shape and its consistency are, for every kind of option."""
+import json
 import os
 import platform
 import re
@@ -37,7 +38,7 @@ def test_bench_table_on_tiny_data(tiny_mnist):
                          rf"--no-channels-last\) / without: \d+\.\d\d", r.stdout), (s, n)
     for c in cells.values():
         assert float(c[3].split()[0]) == 100.0  # the tiny data is easy: every run reaches it
-        assert re.fullmatch(r"\d+\.\d%", c[6])  # data wait share
+        assert re.fullmatch(r"0\.\d{3}", c[6])  # data_wait: a fraction, as --metrics says it
     assert float(cells[("spawn_ddp", two)][7]) > 0  # efficiency, 2 processes vs 1
     assert cells[("spawn_ddp", one)][7] == "-"
     assert "at 2 processes / at 1 process" in r.stdout
@@ -99,3 +100,14 @@ def test_bench_compares_environments_and_another_checkout(tiny_mnist, tmp_path):
     assert labels == {f"dp_baseline{e}{a}" for e in ("", " +env") for a in ("", f" @{other}")}
     for what in (r"with \+env / without", rf"with @{re.escape(str(other))} / with the scripts here"):
         assert re.search(rf"dp_baseline .*x1: epoch time {what}: \d+\.\d\d", r.stdout), what
+
+
+def test_bench_draws_the_curves_of_a_stopped_and_resumed_run(preempted, tmp_path):
+    """bench.py --curves (docs/training.md's picture): the folder of spawn_ddp.py's shared run,
+    stopped by SIGTERM and resumed, drawn as a PNG, the resumed run marked at the step after
+    its snapshot."""
+    import bench
+    d = preempted("spawn_ddp.py")
+    snap = json.loads((d / "snapshot.json").read_text())
+    assert bench.save_curves(d / "tb", tmp_path / "c.png") == [snap["step"] + 1]
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -26,7 +26,7 @@ import common
 from ddpkit import checkpoint, data, flags, reporting, sigterm
 from ddpkit.launch import Place
 from ddpkit.task import SEAM, load_task
-from conftest import N_TEST, N_TRAIN, free_port
+from conftest import N_TEST, N_TRAIN, free_port, read_metrics, read_tensorboard
 
 
 def args_for(data=None, launcher="dp", **kw):
@@ -452,3 +452,36 @@ def test_an_exception_in_a_few_words():
     assert common.reason(AssertionError()) == "AssertionError"  # torchvision's bare asserts
     assert common.reason(ValueError("\n  first\nsecond")) == "ValueError: first"
     assert common.reason(RuntimeError("Tried a, got:\nno route"), -1) == "RuntimeError: no route"
+
+
+def test_tensorboard_curves_go_on_after_a_resume_each_step_once(tmp_path, capsys):
+    """--tensorboard through the scripts' Reporter: a run that logged steps 1-8 and died after
+    its snapshot at step 5, then the run resumed from that snapshot into the same folder (new
+    values from step 6): TensorBoard reads every step once, in order, the first run's up to the
+    snapshot and the resumed run's after it; each epoch's numbers are --metrics' (float32 in
+    the file), at the epoch's last step; --evaluate writes nothing."""
+    args = flags.parse_args("", "spawn", ["--dummy", "--epochs", "2", "--tensorboard",
+                                          str(tmp_path / "tb"), "--metrics",
+                                          str(tmp_path / "m.jsonl")])
+    stats = argparse.Namespace(seen=1, start=time.perf_counter())
+    first = reporting.Reporter(args, Place(), torch.device("cpu"))
+    first.start(0, 0, 10)
+    for step in range(1, 9):
+        first.progress(0, step, 10, float(step), 0.01, stats)
+    second = reporting.Reporter(args, Place(), torch.device("cpu"))  # no close: killed
+    second.start(0, 5, 10)
+    for step in range(6, 11):
+        second.progress(0, step, 10, 100.0 + step, 0.01, stats)
+    second.record(epoch=1, train_loss=0.1234567, test_acc=97.5, partial="steps 6-10 of 10")
+    curves = read_tensorboard(tmp_path / "tb")
+    assert curves["step/train_loss"] == [(s, s if s <= 5 else 100.0 + s) for s in range(1, 11)]
+    [row] = read_metrics(tmp_path / "m.jsonl")
+    for key in ("train_loss", "test_acc", "world_size"):
+        assert curves[f"epoch/{key}"] == [(10, torch.tensor(row[key]).float().item())], key
+    assert not [t for t in curves if t.endswith(("/epoch", "/partial"))]
+    args.evaluate = True
+    evaluation = reporting.Reporter(args, Place(), torch.device("cpu"))
+    evaluation.start(1, 0, 10)
+    evaluation.record(epoch=1, evaluate=True, test_acc=97.5)
+    assert len(list((tmp_path / "tb").iterdir())) == 2  # the two runs' event files
+    assert "LR " not in capsys.readouterr().out.split("task common.py")[-1]  # --evaluate's

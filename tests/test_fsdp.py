@@ -3,6 +3,7 @@ folder that torch's converter reads, and it resumes mid-epoch, at other world si
 killed worker."""
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -12,9 +13,9 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, TASK_RUN, TASKS, assert_same_training_state, given, load, \
-    make_tiny_mnist, process_group, read_metrics, run_mains, run_script, script_env, wait_for, \
-    workers_of
+from conftest import ROOT, TASK_RUN, TASKS, assert_same_training_state, given, kept, load, \
+    make_tiny_mnist, process_group, read_metrics, read_tensorboard, run_mains, run_script, \
+    script_env, wait_for, workers_of
 
 SCRIPT = "torchrun_fsdp.py"
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone")
@@ -49,12 +50,14 @@ def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist
     resumes from it by itself, and ends with the model and optimizer state of an uninterrupted
     run of torchrun_ddp.py, bit for bit. The folder holds a shard file per process, each about
     half of the state, and torch's converter makes it a plain state dict that common.py's
-    model loads. Why 30 s: two starts of the group, and a slow write."""
-    snap, second = tmp_path / "snap", tmp_path / "snap.1"
+    model loads. --tensorboard: the killed run wrote steps past the snapshot, and TensorBoard
+    reads each step once, in order, with the uninterrupted run's printed loss (purge_step).
+    Why 30 s: two starts of the group, and a slow write."""
+    snap, second, tb = tmp_path / "snap", tmp_path / "snap.1", tmp_path / "tb"
     cmd = [sys.executable, *TORCHRUN, "--nproc-per-node=2", "--max-restarts=1",
            str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size", "32", "--epochs",
-           "2", "--save-every", "6", "--log-interval", "100", "--timeout", "30",
-           "--checkpoint", str(snap)]
+           "2", "--save-every", "6", "--log-interval", "1", "--timeout", "30",
+           "--checkpoint", str(snap), "--tensorboard", str(tb)]
     env = script_env(DDP_TEST_STEP_DELAY=0.05, DDP_TEST_SLOW_SAVE=0.02)  # each tensor DCP
     with process_group(cmd, env) as proc:  # writes takes 0.02 s more: a save, about 1 s
         wait_for(lambda: second.is_dir() and any(second.iterdir()), 90, "the second snapshot")
@@ -73,6 +76,16 @@ def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist
     assert len(shards) == 2 and max(shards) < 0.6 * sum(shards), shards  # half the state
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("snap")) == \
         ["snap", "snap.0", "snap.1"]  # no link or folder of ours left over
+    runs = sorted((read_tensorboard(f)["step/train_loss"] for f in tb.iterdir()),
+                  key=lambda c: c[0][0])  # each run's own file: the killed one's first
+    assert [(c[0][0], c[-1][0] > 6) for c in runs] == [(1, True), (7, True)], runs
+    loss = read_tensorboard(tb)["step/train_loss"]
+    assert [s for s, _ in loss] == list(range(1, 39)), loss
+    for m in re.finditer(r"^epoch (\d)/2 step (\d+)/19 loss (\S+)", kept(straight(2), "run").stdout,
+                         re.M):  # its loss every 5 steps: the mean since the epoch's start,
+        step = (int(m[1]) - 1) * 19 + int(m[2])  # or since the resume in the resumed epoch
+        if step <= 6 or step > 19:
+            assert loss[step - 1][1] == pytest.approx(float(m[3]), abs=1e-4), step
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +93,7 @@ def after_epoch_1(tiny_mnist, tmp_path_factory):
     """2 processes, --batch-size 48 (divides by 1, 2 and 3), stopped after epoch 1 of 2."""
     tmp = tmp_path_factory.mktemp("fsdp")
     run(tiny_mnist, "--batch-size", 48, "--epochs", 2, "--stop-after", 1, "--checkpoint",
-        tmp / "snap")
+        tmp / "snap", "--tensorboard", tmp / "tb")
     return tmp / "snap"
 
 
@@ -89,14 +102,20 @@ def after_epoch_1(tiny_mnist, tmp_path_factory):
 def test_a_run_continues_at_another_world_size(tiny_mnist, tmp_path, after_epoch_1, nproc):
     """DCP reshards: the run stopped after epoch 1 at 2 processes continues at 1 (plain
     python) and at 3, from a copy of its folder (a real folder, not a link: the first save
-    moves it aside), and trains epoch 2 only."""
+    moves it aside), and trains epoch 2 only; its --tensorboard curves go on at the global
+    step where they stopped (13 steps an epoch at any world size)."""
     snap = tmp_path / "snap"
     shutil.copytree(after_epoch_1, snap)  # what the link points to
+    shutil.copytree(after_epoch_1.parent / "tb", tmp_path / "tb")
     r = run(tiny_mnist, "--batch-size", 48, "--epochs", 2, "--checkpoint", snap, "--metrics",
-            tmp_path / "m.jsonl", nproc=nproc)
+            tmp_path / "m.jsonl", "--tensorboard", tmp_path / "tb", nproc=nproc)
     assert f"loaded {snap}: 1 epoch(s) + 0 step(s)" in r.stdout
-    assert [(row["epoch"], row["world_size"]) for row in read_metrics(tmp_path / "m.jsonl")] \
-        == [(2, nproc)]
+    [row] = read_metrics(tmp_path / "m.jsonl")
+    assert (row["epoch"], row["world_size"]) == (2, nproc)
+    curves = read_tensorboard(tmp_path / "tb")
+    assert [s for s, _ in curves["step/train_loss"]] == [5, 10, 18, 23]  # every 5 steps
+    assert curves["epoch/world_size"] == [(13, 2), (26, nproc)]
+    assert curves["epoch/test_acc"][-1] == (26, pytest.approx(row["test_acc"], rel=1e-6))
     assert snap.is_symlink() and json.loads((snap / "run.json").read_text())["epoch"] == 2
 
 

@@ -10,6 +10,7 @@ there (conftest.task_run, shared with test_fsdp.py), the text task as a module o
 bit-identically, and --evaluate reports the regression's own metric. A task that does not fit
 fails in one line, with its own frames under it, before the first step (the check leaves no
 trace: test_data_loading.py)."""
+import os
 import re
 
 import pytest
@@ -40,7 +41,7 @@ def flags(d, name):
 def test_trains_and_reports_its_own_metric(task_run, tmp_path, name):
     """conftest.task_run's run of the task: its metric in every epoch, its own LR recipe,
     nothing of MNIST prepared. --evaluate of the regression's checkpoint reports its own
-    metric, the RMSE."""
+    metric, the RMSE, and no LR line."""
     d = task_run(name)
     metric, good, _, said = METRICS[name]
     out = kept(d, "run").stdout
@@ -53,6 +54,7 @@ def test_trains_and_reports_its_own_metric(task_run, tmp_path, name):
                        "--evaluate", cwd=tmp_path, timeout=300)
         [line] = [ln for ln in r.stdout.splitlines() if ln.startswith("epoch 2 evaluate True")]
         assert f"{metric} {rows[-1][metric]:.4g}" in line, (line, rows[-1])
+        assert "LR " not in r.stdout  # an evaluation trains nothing: no LR rule to say
 
 
 @pytest.mark.parametrize("name", TASKS)
@@ -107,6 +109,29 @@ def test_a_task_by_module_name_and_its_flags_in_help(task_run, tiny_mnist):
             "(MNIST): evaluate it with --task mypkg.text"), r
 
 
+def test_a_task_file_is_one_task_however_it_is_spelled(task_run, tmp_path):
+    """The regression task, trained as an absolute path (conftest.task_run), resumes and
+    evaluates as a relative one from another folder, and as a path through a link; another
+    file of the same name is another task, refused. Through the scripts' real main()."""
+    d = task_run("regression")
+    task, ckpt = given(d, "regression")[0], str(d / "c.pt")
+    link = tmp_path / "linked"
+    link.symlink_to(task.parent)
+    other = tmp_path / "other" / "regression.py"
+    other.parent.mkdir()
+    other.write_text(task.read_text())
+    spellings = [os.path.relpath(task, ROOT), str(link / "regression.py"), str(other)]
+    evaluate = [["--task", t, *TASKS["regression"], "--checkpoint", ckpt, "--evaluate"]
+                for t in spellings]
+    resume = [[*flags(d, "regression")[2:], "--task", t, "--checkpoint", ckpt, "--resume"]
+              for t in spellings]
+    results = run_mains("spawn_ddp.py", [{"argv": [str(a) for a in argv]}
+                                         for argv in evaluate + resume])
+    assert [r["started"] for r in results] == [True, True, False] * 2, results
+    assert f"was trained with --task {task}, this run has --task {other}" in results[2]["stderr"]
+    assert f"--task {task} in the checkpoint, {other} now" in results[5]["stderr"]
+
+
 BAD_SHAPE = """
 def collate(samples):  # the target as [B, 1], the model's output [B]: they only broadcast
     x, y = torch.utils.data.default_collate(samples)
@@ -144,14 +169,18 @@ def make_model(args):
 """
 
 
+FIRST_STEP = " in the first training step"
+
+
 @pytest.mark.parametrize("name,extra,said,frame,script", [
-    ("regression", BAD_SHAPE, "loss_fn(output, target) raised UserWarning: Using a target size "
-     "(torch.Size([32, 1])) that is different to the input size (torch.Size([32]))", "loss_fn",
+    ("regression", BAD_SHAPE, f"{FIRST_STEP}: output [32] and target [32, 1] only broadcast to "
+     "each other; loss_fn(output, target) raised UserWarning", "loss_fn",
      "spawn_ddp.py"),
-    ("text", SHORT_POSITIONS, "the model's forward raised IndexError: index out of range in self",
-     "forward", "torchrun_ddp.py"),
-    ("regression", TRAIN_MODE_ONLY, "the model's forward raised RuntimeError: only in train mode",
-     "forward", "torchrun_ddp.py"),
+    ("text", SHORT_POSITIONS, ": the model's forward raised IndexError: index out of range in "
+     "self", "forward", "torchrun_ddp.py"),  # in the evaluation-mode check already
+    ("regression", TRAIN_MODE_ONLY, f"{FIRST_STEP} (train mode; the evaluation-mode check "
+     "passed): the model's forward raised RuntimeError: only in train mode", "forward",
+     "torchrun_ddp.py"),
 ], ids=["target-that-only-broadcasts", "positions-shorter-than-training-sequences",
         "a-model-that-fails-in-train-mode-only"])
 def test_a_task_that_does_not_fit_fails_in_one_line_before_training(tmp_path, name, extra, said,
@@ -159,8 +188,10 @@ def test_a_task_that_does_not_fit_fails_in_one_line_before_training(tmp_path, na
     """The run is the check: each process evaluates a test batch before training (eval mode),
     and its first training step runs the model in train mode and calls loss_fn with warnings
     as errors: one `error:` line per process, before any optimizer step and before anything is
-    written, naming the part that failed, with the task's frames under it (its file and line)
-    and no "Traceback" header. spawn_ddp.py's 2 processes; `python torchrun_ddp.py`'s one."""
+    written, naming where (the first training step; in train mode, after the evaluation-mode
+    check) and the part that failed, our diagnosis before torch's words, in about 200
+    characters, with the task's frames under it (its file and line) and no "Traceback" header.
+    spawn_ddp.py's 2 processes; `python torchrun_ddp.py`'s one."""
     bad = tmp_path / f"bad_{name}.py"
     bad.write_text((ROOT / "tasks" / f"{name}.py").read_text() + extra)
     rec = tmp_path / "rec"
@@ -171,9 +202,8 @@ def test_a_task_that_does_not_fit_fails_in_one_line_before_training(tmp_path, na
     assert not read_records(rec, "lr") and not (tmp_path / "c.pt").exists()
     errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert r.returncode != 0 and errors, r.stderr
-    assert f"error: the task does not fit the scripts: {said}" in errors[0], errors[0]
-    if extra is BAD_SHAPE:
-        assert "output [32] and target [32, 1] only broadcast to each other" in errors[0]
+    assert f"error: the task does not fit the scripts{said}" in errors[0], errors[0]
+    assert errors[0].endswith(" (docs/your-own-task.md)") and len(errors[0]) <= 220, errors[0]
     assert f'File "{bad}", line' in r.stderr and f"in {frame}" in r.stderr, r.stderr
     assert not re.search(rf'File "[^"]*({MACHINERY})\.py"', r.stderr), r.stderr
     assert "Traceback" not in r.stderr and "step" not in r.stdout, r.stderr

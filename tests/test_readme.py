@@ -210,6 +210,9 @@ def test_readme_command_parses(command):
         if "-r" in words:
             assert (ROOT / words[words.index("-r") + 1]).exists()
         return
+    if prog == "tensorboard":  # its viewer, of a --tensorboard folder
+        assert words[1] == "--logdir" and len(words) == 3, words
+        return
     if prog == "sbatch":
         assert words[1] in SBATCH, words
         return check_script_args(SBATCH[words[1]], words[2:])

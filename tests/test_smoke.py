@@ -12,6 +12,7 @@ loss, every test sample counted once by the saved model and its BatchNorm statis
 gradient reduction a step, one writer of whole checkpoints that load weights-only, equal
 replicas. Evaluation counts the same at 1, 2 and 3 processes; the lesson pair trains."""
 import json
+import re
 from collections import defaultdict
 
 import pytest
@@ -19,7 +20,8 @@ import torch
 
 import common
 from conftest import N_TEST, N_TRAIN, PREEMPTED, ROOT, UNDER_TORCHRUN, \
-    assert_same_training_state, correct_of, final, kept, load, read_metrics, read_records, run_script
+    assert_same_training_state, correct_of, final, kept, load, read_metrics, read_records, \
+    read_tensorboard, run_script
 
 FSDP2 = torch.__version__ >= (2, 7)  # FSDP2 on a CPU
 FSDP = pytest.param("torchrun_fsdp.py", marks=pytest.mark.skipif(
@@ -67,6 +69,37 @@ def test_sigterm_saves_where_all_stop_and_resume_is_bit_identical(preempted, str
     assert first[-1] == "samples/s" and rows[1]["train_loss"] < float(first[5]) / 2, first
     nproc, accumulate = PREEMPTED[script][1]
     assert_same_training_state(load(straight(nproc, accumulate=accumulate) / "c.pt"), final(d))
+
+
+@pytest.mark.parametrize("script", EVERY)
+def test_tensorboard_shows_one_curve_across_the_stop_with_the_numbers_of_metrics(preempted,
+                                                                                straight, script):
+    """--tensorboard in the stopped run and the resumed one: rank 0 alone writes (an event file
+    per run); TensorBoard reads the averaged loss of every global step once, in order, as each
+    run printed it; each epoch's numbers are those of --metrics, at its last step; the last
+    epoch's test accuracy is the straight run's. (The purge of steps written after a snapshot:
+    test_common.py, and test_fsdp.py's restart after a killed worker.)"""
+    d = preempted(script)
+    assert len(list((d / "tb").glob("events.out.tfevents.*"))) == 2, list((d / "tb").iterdir())
+    curves, steps = read_tensorboard(d / "tb"), -(-N_TRAIN // 32)  # 19
+    printed = {}  # (epoch, step): the loss as each run printed it
+    for out in (kept(d, "stopped").stdout, kept(d, "resumed").stdout):
+        for m in re.finditer(r"^epoch (\d+)/2 step (\d+)/\d+ loss (\S+)", out, re.M):
+            printed[(int(m[1]) - 1) * steps + int(m[2])] = float(m[3])
+    loss = curves["step/train_loss"]
+    assert [s for s, _ in loss] == list(range(1, 2 * steps + 1)) == sorted(printed), loss
+    assert all(round(v, 4) == pytest.approx(printed[s], abs=1e-4) for s, v in loss), loss
+    rows = read_metrics(d / "m.jsonl")
+    for key in ("train_loss", "test_acc", "samples_per_s", "data_wait"):
+        assert curves[f"epoch/{key}"] == [(steps * row["epoch"], as_float32(row[key]))
+                                          for row in rows], key
+    nproc, accumulate = PREEMPTED[script][1]
+    [*_, last] = read_metrics(straight(nproc, accumulate=accumulate) / "m.jsonl")
+    assert curves["epoch/test_acc"][-1][1] == as_float32(last["test_acc"])
+
+
+def as_float32(x):
+    return torch.tensor(x, dtype=torch.float32).item()
 
 
 def by_rank(rows, key):
