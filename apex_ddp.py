@@ -88,6 +88,7 @@ def train(place, args, why):
     batch_size = args.batch_size // world_size
     loader = DataLoader(train_set, batch_size, sampler=data.Skippable(sampler),
                         num_workers=args.workers, collate_fn=task.collate, pin_memory=cuda,
+                        drop_last=data.drop_last(len(sampler), batch_size, args.accumulate),
                         **data.worker_options(args.workers))
     # Evaluation: each process takes its share of the test set, every sample counted once.
     test_loader = DataLoader(test_set, batch_size, sampler=range(rank, len(test_set), world_size),
@@ -125,7 +126,7 @@ def train(place, args, why):
         amp.load_state_dict(ckpt["amp"])
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
                                      args.checkpoint, report.log)
-    report.start(epoch, step, steps)  # --tensorboard's curves go on from this step
+    report.start(epoch, step, steps, optimizer)  # the LR line; --tensorboard goes on from here
     # native: DDP(model, device_ids=[local_rank]). delay_allreduce=True: one all-reduce, after
     # the whole backward pass.
     ddp = ApexDDP(model, delay_allreduce=True)

@@ -32,6 +32,7 @@ def train(place, args):
     batch_size = args.batch_size // world_size
     loader = DataLoader(train_set, batch_size, sampler=data.Skippable(sampler),
                         num_workers=args.workers, collate_fn=task.collate, pin_memory=cuda,
+                        drop_last=data.drop_last(len(sampler), batch_size, args.accumulate),
                         **data.worker_options(args.workers))
     # Evaluation: each process takes its share of the test set, every sample counted once.
     test_loader = DataLoader(test_set, batch_size,
@@ -53,7 +54,7 @@ def train(place, args):
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")  # bf16 needs none
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
                                      args.checkpoint, report.log)
-    report.start(epoch, step, steps)  # --tensorboard's curves go on from this step
+    report.start(epoch, step, steps, optimizer)  # the LR line; --tensorboard goes on from here
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     net = nn.DataParallel(machine.Autocast(model, amp), args.gpus) if cuda else model  # replicas
 

@@ -53,6 +53,7 @@ def train(place, args):
     batch_size = args.batch_size // world_size
     loader = DataLoader(train_set, batch_size, sampler=data.Skippable(sampler),
                         num_workers=args.workers, collate_fn=task.collate, pin_memory=cuda,
+                        drop_last=data.drop_last(len(sampler), batch_size, args.accumulate),
                         **data.worker_options(args.workers))
     # Evaluation: each process takes its share of the test set, every sample counted once.
     test_loader = DataLoader(test_set, batch_size, sampler=range(rank, len(test_set), world_size),
@@ -93,7 +94,7 @@ def train(place, args):
     scaler = ShardedGradScaler(device.type, enabled=args.amp == "fp16")  # overflow in any shard
     epoch, step = checkpoint.restore(ckpt, model, optimizer, scheduler, scaler,
                                      args.checkpoint, report.log)
-    report.start(epoch, step, steps)  # --tensorboard's curves go on from this step
+    report.start(epoch, step, steps, optimizer)  # the LR line; --tensorboard goes on from here
     net = torch.compile(model) if args.compile else model
 
     def save(epoch, step):  # every process writes its shards (checkpoint.save_sharded)

@@ -4,6 +4,7 @@ only, and fits the model), agreed (whether and from where the processes resume, 
 restored. docs/preemption.md, docs/fsdp.md."""
 import json
 import os
+from collections import OrderedDict
 import secrets
 import shutil
 import zlib
@@ -211,10 +212,19 @@ def differs(dest, then, now):
            f"{now if now is not None else '(not given)'} now"
 
 
-def check_file(args, task, place):
+READ = {}  # path: (its stat, what check_file read), for `agreed` in this process: one read
+
+
+def stat(path):
+    s = os.stat(path)  # through the link of the sharded form: the folder it points to
+    return s.st_ino, s.st_mtime_ns, s.st_size
+
+
+def check_file(args, task, place, keep=False):
     """Before the processes meet (flags.check_args), the checkpoint to resume or evaluate is read,
     compared with this run and fitted to the model's shapes on the meta device (no memory, no
-    data). Absent, it is refused on one machine; on several, another node may hold it."""
+    data). Absent, it is refused on one machine; on several, another node may hold it. `keep`:
+    this process trains, and `agreed` takes what was read unless the file changed since."""
     path = args.checkpoint
     if not os.path.exists(path):
         if (args.resume or args.evaluate) and place.nproc == place.world_size:
@@ -223,6 +233,8 @@ def check_file(args, task, place):
     with torch.device("meta"):
         model = task.make_model(args)
     ckpt = load(path)
+    if keep:
+        READ[path] = stat(path), ckpt
     check_same_run(args, ckpt, path)
     if os.path.isdir(path):
         fits_sharded(model, path)
@@ -238,7 +250,10 @@ def agreed(args, wish, place, device, log=print):
     a process that lacks it (a node that joins with an empty disk, or an older copy) is refused,
     every copy left as it was: no process runs other collectives than the rest."""
     path = args.checkpoint
-    ckpt = load(path) if wish and path and os.path.exists(path) else None
+    ckpt = None
+    if wish and path and os.path.exists(path):
+        then, read = READ.pop(path, (None, None))
+        ckpt = read if then == stat(path) else load(path)  # once (check_file's), if unchanged
     run = zlib.crc32(repr(sorted(run_flags(args).items())).encode())  # the same flags, one number
     fast = machine.computes_bf16(device.index if device.type == "cuda" else None)[0] is True
     everyone = [(wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)),
@@ -296,6 +311,10 @@ def restore(ckpt, model, optimizer, scheduler, scaler, path, log=print):
 def load_model_state(model, state_dict, path, assign=False):
     """Strict load; a "module." prefix from an old DataParallel/DDP save is stripped first."""
     consume_prefix_in_state_dict_if_present(state_dict, "module.")
+    if assign:  # torch notes assign in the dict's _metadata, where a later plain load of the
+        metadata = getattr(state_dict, "_metadata", {})  # same dict finds it, and replaces the
+        state_dict = OrderedDict(state_dict)  # parameters the optimizer holds: a copy for it
+        state_dict._metadata = {k: dict(v) for k, v in metadata.items()}  # (pytorch#188166)
     try:
         model.load_state_dict(state_dict, assign=assign)
     except RuntimeError as e:

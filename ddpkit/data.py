@@ -7,6 +7,7 @@ import itertools
 import random
 import sys
 
+import numpy
 import torch
 from torch.utils.data import Dataset, Sampler
 
@@ -29,6 +30,14 @@ class Skippable(Sampler):
         return max(0, len(self.sampler) - self.skip)
 
 
+def drop_last(shard, batch, accumulate):
+    """Whether each process leaves out the last batch of its shard: where it would hold a
+    micro-batch of one sample (fewer than 2 x --accumulate samples), which BatchNorm cannot
+    normalise in training ("Expected more than 1 value per channel"), after a whole epoch. The
+    shards are equally long: every process leaves it, and all take the same number of steps."""
+    return 0 < shard % batch < 2 * accumulate
+
+
 # ---- Random numbers that depend on (seed, epoch, sample or step, rank) only ----------------
 
 def mix(*values):
@@ -38,8 +47,9 @@ def mix(*values):
 
 
 class PerSampleSeeds(Dataset):
-    """A training set whose draws from torch's and Python's global RNG (random augmentation)
-    are seeded per sample from (seed, epoch, index): different on every rank and in every epoch,
+    """A training set whose draws from torch's, Python's and NumPy's global RNG (random
+    augmentation: torchvision, albumentations, imgaug) are seeded per sample from (seed, epoch,
+    index): different on every rank and in every epoch,
     the same at any world size, with any workers, after a resume. (DataLoader would seed its
     workers from each process's RNG, the same on every rank.) The epoch is in shared memory, so
     that the workers see set_epoch too. A dataset that returns whole batches (__getitems__) is
@@ -61,6 +71,7 @@ class PerSampleSeeds(Dataset):
         seed = mix(self.seed, int(self.epoch), int(index))
         torch.default_generator.manual_seed(seed)
         random.seed(seed)
+        numpy.random.seed(seed & 0xFFFFFFFF)  # NumPy's takes 32 bits (2.5 us; 64: 10 us)
 
     def __getitem__(self, index):
         self._seed(index)

@@ -217,7 +217,8 @@ def check_args(args, task, place=None, elastic=False, cuda=None, sharded=False):
         raise Fatal(f"--checkpoint {args.checkpoint} exists: add --resume to continue its run, "
                     "or give another path to start a new one")
     if args.checkpoint and (args.evaluate or args.resume or elastic):
-        checkpoint.check_file(args, task, place)  # it is this run's, and fits the model
+        checkpoint.check_file(args, task, place,  # it is this run's, and fits the model; a
+                              keep=not hasattr(args, "nnodes"))  # process that trains keeps it
     if place.local_rank == 0:  # --amp auto: decided once the job has met (checkpoint.agreed)
         machine.warn_if_slower(args.amp, gpu if cuda else None)
     if getattr(args, "master_port", None) and node_rank == 0:  # node 0 hosts the store there

@@ -2,6 +2,7 @@
 (the same numbers, from one place), and each epoch's loss, samples and seconds (EpochStats),
 gathered on the device without a sync per step."""
 import json
+import math
 import os
 import time
 
@@ -23,22 +24,28 @@ class Reporter:
         if getattr(args, "gpus", None) and device.type == "cuda":  # dp_baseline.py
             self.log(f"DataParallel over GPU(s) {args.gpus}, gathering on {device}")
         self.log(f"task {args.task or 'common.py'}")
-        if not args.evaluate:  # the training's rule; an evaluation trains nothing
-            self.log(f"LR {args.lr:g} at batch {common.REFERENCE_BATCH} -> "
-                     f"{common.peak_lr(args):.4g} at {args.batch_size} "
-                     f"({common.LR_RULES[args.lr_scaling]})")
         self.board, self.steps = None, 0
 
-    def start(self, epoch, step, steps):
-        """Training continues after `step` steps of epoch `epoch` (0, 0: a new run), `steps` an
-        epoch: the same at any world size, ceil(samples / global batch). --tensorboard's curves
+    def start(self, epoch, step, steps, optimizer):
+        """Says the LR the training starts from (an evaluation trains nothing): --lr at batch
+        256 scaled by --lr-scaling, or where the task's own optimizer starts elsewhere, that.
+        Training continues after `step` steps of epoch `epoch` (0, 0: a new run), `steps` an
+        epoch: the same at any world size, ceil(samples / global batch) (less a batch of one
+        left out, data.drop_last). --tensorboard's curves
         go on at the next global step in the folder's run; from that step on, what an earlier
         run wrote there (after the snapshot it stopped at) is dropped when TensorBoard reads the
         folder (purge_step): every step once, in order. --evaluate writes nothing."""
-        self.steps = steps
-        if self.on and self.args.tensorboard and not self.args.evaluate:
+        args, self.steps = self.args, steps
+        group = optimizer.param_groups[0]
+        lr, peak = group.get("initial_lr", group["lr"]), common.peak_lr(args)  # (before warmup)
+        if not args.evaluate:
+            self.log(f"LR {args.lr:g} at batch {common.REFERENCE_BATCH} -> {peak:.4g} at "
+                     f"{args.batch_size} ({common.LR_RULES[args.lr_scaling]})"
+                     if math.isclose(lr, peak, rel_tol=1e-6) else f"LR {lr:.4g}: the task's own "
+                     f"{type(optimizer).__name__} recipe (--lr and --lr-scaling do not set it)")
+        if self.on and args.tensorboard and not args.evaluate:
             from torch.utils.tensorboard import SummaryWriter  # 0.3 s of imports: rank 0's only
-            self.board = SummaryWriter(self.args.tensorboard, purge_step=epoch * steps + step + 1)
+            self.board = SummaryWriter(args.tensorboard, purge_step=epoch * steps + step + 1)
 
     def log(self, msg):
         if self.on:

@@ -233,6 +233,29 @@ def test_resume_skips_in_the_sampler_without_loading_the_skipped_samples():
     assert sorted(dataset.fetched) == sorted(full[24:])  # nothing loaded for the first 3 steps
 
 
+def test_a_last_batch_too_small_for_batchnorm_is_left_out_the_same_after_a_resume():
+    """A shard of 50 in batches of 7 ends in one sample, which BatchNorm cannot normalise in
+    training: every process (equal shards) leaves that batch out, so all take 7 steps; a resume
+    after 3 steps trains the same 4 batches. With --accumulate 2, a last batch of 3 (micro-
+    batches of 2 and 1) is left out too, one of 4 (2 and 2) is trained."""
+    from torch.utils.data.distributed import DistributedSampler
+    assert data.drop_last(50, 7, 1) and not data.drop_last(50, 8, 1)  # 1 left over; 2
+    assert data.drop_last(51, 8, 2) and not data.drop_last(52, 8, 2)  # 3 (2 + 1); 4 (2 + 2)
+    assert [len(y) for _, y, _, _ in data.micro_batches(torch.zeros(3), torch.zeros(3), 2)] \
+        == [2, 1]
+    assert not data.drop_last(48, 8, 4)  # nothing left over
+    dataset = Counted()
+    for rank in (0, 1):
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, seed=0)
+        drop = data.drop_last(len(sampler), 7, 1)
+        full = [b.tolist() for b in DataLoader(dataset, 7, sampler=sampler, drop_last=drop)]
+        assert [len(b) for b in full] == [7] * 7
+        skippable = data.Skippable(sampler)
+        skippable.skip = 3 * 7
+        assert [b.tolist() for b in DataLoader(dataset, 7, sampler=skippable, drop_last=drop)] \
+            == full[3:]
+
+
 # ---- diagnostics, ports, the resume decision, SIGTERM, the LR after a skipped step ----------
 
 def test_an_error_line_is_one_write(monkeypatch):
@@ -430,8 +453,19 @@ def test_peak_lr_follows_the_rule(batch, rule, lr, capsys):
         optimizer.step()
         scheduler.step()
     assert max(lrs) == pytest.approx(peak, rel=1e-12) and (lrs[0] < peak or len(lrs) <= 2)
-    reporting.Reporter(args, Place(), torch.device("cpu"))
+    reporting.Reporter(args, Place(), torch.device("cpu")).start(0, 0, steps, optimizer)
     assert f"LR {lr:g} at batch 256 -> {peak:.4g} at {batch} (" in capsys.readouterr().out
+
+
+def test_a_task_of_its_own_recipe_gets_its_own_lr_line(capsys):
+    """A task whose make_optimizer ignores --lr (SGD at 0.05): its LR, not MNIST's rule."""
+    args = flags.parse_args("", "dp", ["--dummy", "--batch-size", "128"])
+    sgd = torch.optim.SGD(common.make_model(args).parameters(), lr=0.05)
+    common.make_scheduler(sgd, args, 10)  # starts below 0.05: the warmup
+    reporting.Reporter(args, Place(), torch.device("cpu")).start(0, 0, 10, sgd)
+    out = capsys.readouterr().out
+    assert "LR 0.05: the task's own SGD recipe (--lr and --lr-scaling do not set it)" in out
+    assert "rule" not in out
 
 
 def test_a_run_of_one_step_steps_its_schedule():
@@ -464,12 +498,13 @@ def test_tensorboard_curves_go_on_after_a_resume_each_step_once(tmp_path, capsys
                                           str(tmp_path / "tb"), "--metrics",
                                           str(tmp_path / "m.jsonl")])
     stats = argparse.Namespace(seen=1, start=time.perf_counter())
+    optimizer = common.make_optimizer(common.make_model(args), args)
     first = reporting.Reporter(args, Place(), torch.device("cpu"))
-    first.start(0, 0, 10)
+    first.start(0, 0, 10, optimizer)
     for step in range(1, 9):
         first.progress(0, step, 10, float(step), 0.01, stats)
     second = reporting.Reporter(args, Place(), torch.device("cpu"))  # no close: killed
-    second.start(0, 5, 10)
+    second.start(0, 5, 10, optimizer)
     for step in range(6, 11):
         second.progress(0, step, 10, 100.0 + step, 0.01, stats)
     second.record(epoch=1, train_loss=0.1234567, test_acc=97.5, partial="steps 6-10 of 10")
@@ -481,7 +516,25 @@ def test_tensorboard_curves_go_on_after_a_resume_each_step_once(tmp_path, capsys
     assert not [t for t in curves if t.endswith(("/epoch", "/partial"))]
     args.evaluate = True
     evaluation = reporting.Reporter(args, Place(), torch.device("cpu"))
-    evaluation.start(1, 0, 10)
+    evaluation.start(1, 0, 10, optimizer)
     evaluation.record(epoch=1, evaluate=True, test_acc=97.5)
     assert len(list((tmp_path / "tb").iterdir())) == 2  # the two runs' event files
     assert "LR " not in capsys.readouterr().out.split("task common.py")[-1]  # --evaluate's
+
+
+def test_a_checkpoint_fitted_on_the_meta_device_still_loads_into_the_optimizers_parameters(
+        tmp_path):
+    """The check before the meeting fits the checkpoint to a meta-device model (assign=True);
+    torch notes that in the dict's _metadata, and a later plain load of the same dict would
+    replace the model's parameters, leaving the optimizer's untrained (pytorch/pytorch#188166).
+    The resume loads that same dict (read once): it must copy into the existing parameters."""
+    path = tmp_path / "c.pt"
+    torch.save({"model": common.Net().state_dict()}, path)
+    state = checkpoint.load(path)["model"]
+    with torch.device("meta"):
+        checkpoint.load_model_state(common.Net(), state, path, assign=True)
+    model = common.Net()
+    params = list(model.parameters())
+    checkpoint.load_model_state(model, state, path)
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    assert all(torch.equal(p, state[k]) for k, p in model.named_parameters())

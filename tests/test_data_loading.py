@@ -1,7 +1,7 @@
 """The DataLoader path with what real datasets bring: DataLoader worker processes, random
 augmentation drawn from torch's global RNG, and a model with dropout. The task
-(tests/tasks/augment_dropout.py: MNIST shifted at random by up to 2 pixels, dropout in the
-head) is appended to a copy of common.py, as docs/your-own-task.md says; it logs every draw
+(tests/tasks/augment_dropout.py: MNIST shifted at random by up to 2 pixels (torch's RNG) and
+brightened at random (NumPy's), dropout in the head) is appended to a copy of common.py, as docs/your-own-task.md says; it logs every draw
 and every dropout mask (with the seed in force) from every process.
 
 What must hold, each checked on the logs of real runs:
@@ -91,6 +91,8 @@ def test_augmentation_differs_per_rank_and_epoch(two_processes):
     assert same < 0.2 * len(per_rank[0])  # 1 in 25 by chance
     changed = sum(draws[0, i] != draws[1, i] for i in range(N_TRAIN))
     assert changed > 0.8 * N_TRAIN  # another draw for the same image in the next epoch
+    numpy_draws = [d[2] for [d] in draws.values()]  # NumPy's: no two samples alike
+    assert len(set(numpy_draws)) == len(numpy_draws)
 
 
 def test_dropout_differs_per_rank(two_processes):
@@ -103,10 +105,10 @@ def test_dropout_differs_per_rank(two_processes):
 
 @pytest.fixture(scope="module")
 def one_process(repo, tiny_mnist, tmp_path_factory):
-    """spawn_ddp.py, 1 process accumulating 2 micro-batches, 2 data workers: the logs and the
+    """spawn_ddp.py, 1 process accumulating 2 micro-batches, no data workers: the logs and the
     checkpoint."""
     d = tmp_path_factory.mktemp("one")
-    train(repo, d / "log", "--nproc-per-node", 1, "--accumulate", 2, "--workers", 2,
+    train(repo, d / "log", "--nproc-per-node", 1, "--accumulate", 2, "--workers", 0,
           "--checkpoint", d / "c.pt", data=tiny_mnist)
     return d
 
@@ -129,7 +131,7 @@ def test_the_check_leaves_no_trace(repo, tiny_mnist, one_process, tmp_path):
     defining a task before --task, which still works) trains the same model with the test batch
     evaluated before training and without it (DDP_TEST_NO_CHECK): one process, as above (the
     batch is each process's own)."""
-    train(repo, tmp_path / "log", "--nproc-per-node", 1, "--accumulate", 2, "--workers", 2,
+    train(repo, tmp_path / "log", "--nproc-per-node", 1, "--accumulate", 2, "--workers", 0,
           "--checkpoint", tmp_path / "c.pt", data=tiny_mnist, DDP_TEST_NO_CHECK=1)
     assert_same_training_state(load(tmp_path / "c.pt"), load(one_process / "c.pt"))
 

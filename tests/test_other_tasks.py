@@ -15,8 +15,8 @@ import re
 
 import pytest
 
-from conftest import ROOT, TASK_RUN, TASKS, assert_same_training_state, command, given, kept, \
-    load, read_metrics, read_records, run_mains, run_script, script_env, sigterm_when
+from conftest import ROOT, TASK_RUN, TASKS, TORCHRUN2, assert_same_training_state, command, \
+    given, kept, load, read_metrics, read_records, run_mains, run_script, script_env, sigterm_when
 
 pytestmark = pytest.mark.slow
 
@@ -130,6 +130,27 @@ def test_a_task_file_is_one_task_however_it_is_spelled(task_run, tmp_path):
     assert [r["started"] for r in results] == [True, True, False] * 2, results
     assert f"was trained with --task {task}, this run has --task {other}" in results[2]["stderr"]
     assert f"--task {task} in the checkpoint, {other} now" in results[5]["stderr"]
+
+
+BATCHNORM = """
+def make_model(args):  # BatchNorm1d: a batch of one sample cannot be normalised in training
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.BatchNorm1d(64), nn.ReLU(),
+                         nn.Linear(64, 1), nn.Flatten(0))
+"""
+
+
+def test_a_shard_that_ends_in_one_sample_trains_with_batchnorm(tmp_path):
+    """130 rows at 2 processes: shards of 65, batches of 32 each, so each shard ends in a
+    batch of one, which BatchNorm1d cannot normalise in training. Every process leaves it out:
+    2 steps an epoch, 2 epochs, exit 0 (torchrun)."""
+    task = tmp_path / "norm.py"
+    task.write_text((ROOT / "tasks" / "regression.py").read_text() + BATCHNORM)
+    r = run_script("torchrun_ddp.py", "--task", task, "--samples", 130, "--batch-size", 64,
+                   "--epochs", 2, "--log-interval", 1, "--metrics", tmp_path / "m.jsonl",
+                   launcher=TORCHRUN2, cwd=tmp_path, OMP_NUM_THREADS=1)
+    assert re.findall(r"^epoch (\d)/2 step (\d)/(\d)", r.stdout, re.M) == [
+        ("1", "1", "2"), ("1", "2", "2"), ("2", "1", "2"), ("2", "2", "2")], r.stdout
+    assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
 
 
 BAD_SHAPE = """

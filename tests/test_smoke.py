@@ -13,7 +13,7 @@ gradient reduction a step, one writer of whole checkpoints that load weights-onl
 replicas. Evaluation counts the same at 1, 2 and 3 processes; the lesson pair trains."""
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 import torch
@@ -209,6 +209,18 @@ def test_one_process_writes_whole_checkpoints_that_load_weights_only(preempted, 
     common.Net().load_state_dict(state["model"])  # strict
     assert {"optimizer", "scheduler", "scaler", "epoch", "step", "args"} <= state.keys()
     assert (state["epoch"], state["step"], state["args"]["batch_size"]) == (2, 0, 32)
+
+
+@pytest.mark.parametrize("script", [*CORE[:2], *EVERY[3:]])  # the file form
+def test_each_process_reads_the_checkpoint_once(preempted, script):
+    """The resumed run: each training process reads the snapshot once, under every launcher
+    (torchrun's and dp_baseline.py's read it to check it before they meet, and resume from that
+    read); spawn_ddp.py's launcher reads it for its check, and each of its processes once."""
+    d = preempted(script)
+    reads = Counter(r["pid"] for r in read_records(d / "rec", "load")
+                    if r["path"] == str(d / "c.pt"))
+    nproc = PREEMPTED[script][1][0]
+    assert sorted(reads.values()) == [1] * (nproc + (script == "spawn_ddp.py")), reads
 
 
 @pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py"])

@@ -1,9 +1,12 @@
 # A task for tests/test_data_loading.py, appended to a copy of common.py the way
 # docs/your-own-task.md says: MNIST with a random shift drawn from torch's global RNG (as
-# torchvision's transforms draw) and a model with dropout. With DDP_TEST_TASK_LOG=DIR, every
-# sample's draw and every dropout mask are logged there, one JSON-lines file per process.
+# torchvision's transforms draw), a brightness from NumPy's (as albumentations draws) and a
+# model with dropout. With DDP_TEST_TASK_LOG=DIR, every sample's draw and every dropout mask
+# are logged there, one JSON-lines file per process.
 import hashlib  # noqa: E402
 import json  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 from torch.utils.data import Dataset  # noqa: E402
 
@@ -23,7 +26,8 @@ def _log(kind, **row):
 
 
 class RandomShift(Dataset):
-    """Shifts each image by up to 2 pixels in each direction, drawn per sample."""
+    """Shifts each image by up to 2 pixels in each direction, drawn per sample from torch's
+    RNG, and adds a brightness drawn from NumPy's global RNG (as albumentations draws)."""
 
     def __init__(self, data):
         self.data = data
@@ -34,8 +38,9 @@ class RandomShift(Dataset):
     def __getitem__(self, index):
         x, y = self.data[index]
         dx, dy = torch.randint(-2, 3, (2,)).tolist()
-        _log("draws", index=int(index), seed=torch.initial_seed(), draw=[dx, dy])
-        return torch.roll(x, (dy, dx), dims=(1, 2)), y
+        bright = float(np.random.uniform(-0.1, 0.1))
+        _log("draws", index=int(index), seed=torch.initial_seed(), draw=[dx, dy, bright])
+        return torch.roll(x, (dy, dx), dims=(1, 2)) + bright, y
 
 
 class LoggedDropout(nn.Dropout):
