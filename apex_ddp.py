@@ -53,6 +53,8 @@ def main(place):
                    "(built without --cuda_ext) and its Python SyncBatchNorm breaks O2 and O3"
     if use_apex and args.compile:  # amp patches torch functions at run time: never tried here
         raise common.Fatal("--compile is untested with apex's amp and DDP; add --native")
+    if use_apex and args.find_unused_parameters:  # apex's DDP has no such option
+        raise common.Fatal("--find-unused-parameters is DDP's: add --native")
     # The opt level decides. Natively O0 is fp32 and O1-O3 autocast: float16 with a GradScaler
     # on GPUs; on CPUs --amp auto's rule, bfloat16 if every CPU of the job computes it, else
     # fp32 (faster there), decided by the job together and said.

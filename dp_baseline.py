@@ -35,7 +35,7 @@ def train(place, args):
                         drop_last=data.drop_last(len(sampler), batch_size, args.accumulate),
                         **data.worker_options(args.workers))
     # Evaluation: each process takes its share of the test set, every sample counted once.
-    test_loader = DataLoader(test_set, batch_size,
+    test_loader = DataLoader(test_set, batch_size, sampler=range(rank, len(test_set), world_size),
                              num_workers=args.workers, collate_fn=task.collate, pin_memory=cuda,
                              **data.worker_options(args.workers))
     data.start_workers(loader, test_loader)

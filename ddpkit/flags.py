@@ -93,6 +93,9 @@ def parse_args(description, launcher, argv=None):
       "and 4-D input batches in channels_last (NHWC) memory format: faster convolutions "
       "(docs/speed.md); the task's default (MNIST's: on; --no-channels-last: off)")
     a("--compile", action="store_true", help="torch.compile the DDP-wrapped model")
+    a("--deterministic", action="store_true", help="the same result every run on a GPU too: "
+      "deterministic algorithms only, cuDNN's included, no cudnn.benchmark; slower "
+      "(docs/training.md)")
     a("--checkpoint", metavar="PATH", help="written by one process after every epoch; with it, "
       "a SIGTERM stops every process at the same step and saves there")
     a("--save-every", type=natural_int, default=0, metavar="STEPS", help="also write "
@@ -120,6 +123,10 @@ def parse_args(description, launcher, argv=None):
           "same after each training step, where a lost peer should end the job soon" + d)
         a("--join-timeout", type=positive_float, default=600, metavar="SECONDS", help="how long "
           "the processes wait for each other at start-up (torchrun's rendezvous: 600 s)" + d)
+    if launcher in ("spawn", "torchrun", "apex"):  # DDP's; FSDP2 and DataParallel need none
+        a("--find-unused-parameters", action="store_true", help="DDP: a model whose forward "
+          "leaves parameters without a gradient (a branch it skips, a frozen head) trains; DDP "
+          "then walks the autograd graph each step (docs/troubleshooting.md)")
     if launcher == "spawn":
         g = p.add_argument_group("launch (spawn)").add_argument
         g("--nproc-per-node", type=positive_int, default=torch.cuda.device_count() or 2,
@@ -141,6 +148,7 @@ def parse_args(description, launcher, argv=None):
     task.add_task_flags(p)  # last: a task may also change the defaults above (set_defaults)
     args = p.parse_args(argv)
     args.task = args.task and os.path.normpath(args.task)  # as compared by a resume
+    machine.deterministic(args.deterministic)  # every process that parses: before CUDA work
     return args
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from common import Fatal, say
 
-from . import sigterm
+from . import machine, sigterm
 from .task import failure
 
 
@@ -266,6 +266,7 @@ def worker(local_rank, train, args, private):
     with clean_exit(place):
         # NCCL: a collective that fails or times out takes its process down, as under torchrun
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        machine.deterministic(args.deterministic)  # (a spawned interpreter: parsed nothing)
         train(place, args, os.path.join(private, "store"))
 
 

@@ -102,3 +102,14 @@ def warn_if_slower(amp, gpu):
         common.say(f"warning: --amp {amp} on this {'CPU' if gpu is None else 'GPU'} is slower "
                    f"than fp32: {why}{', so bf16 is emulated' * (amp == 'bf16')}"
                    f"{'; use fp16' * (gpu is not None)}")
+
+
+def deterministic(on):
+    """--deterministic, in each process before any CUDA work: only algorithms that give the same
+    result every run (torch raises for an op that has none), cuDNN's deterministic kernels and no
+    autotuning (cudnn.benchmark times kernels at each new shape and may pick others run to run;
+    torch leaves it off too), and the workspace deterministic cuBLAS needs (docs/training.md)."""
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False

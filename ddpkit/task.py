@@ -52,6 +52,8 @@ def load_task(name):
     TASK_CODE.update({f.__code__: n for n, f in vars(task).items() if hasattr(f, "__code__")})
     task.loss_fn = first_call_checked(task.loss_fn)
     TASK_CODE[task.loss_fn.__code__] = "loss_fn"
+    task.make_optimizer = unused_checked(task.make_optimizer)
+    TASK_CODE[task.make_optimizer.__code__] = "make_optimizer"
     return task
 
 
@@ -99,6 +101,28 @@ def first_call_checked(loss_fn):
         CHECKING.clear()
         return loss
     return checked
+
+
+def unused_checked(make_optimizer):
+    """make_optimizer, whose optimizer checks its first step under DDP without
+    --find-unused-parameters: DDP cannot finish a step whose backward leaves a parameter without
+    a gradient, and says so at the next forward, in a paragraph that names none. The check names
+    them in one line, before anything is updated."""
+    @functools.wraps(make_optimizer)
+    def made(model, args):
+        optimizer = make_optimizer(model, args)
+
+        def check(*_):
+            handle.remove()
+            unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+            if unused:
+                raise Fatal(f"the model's {', '.join(unused[:4])}{' ...' * (len(unused) > 4)} got "
+                            "no gradient in the first step (a branch its forward skips): add "
+                            "--find-unused-parameters, or freeze them (requires_grad=False)")
+        if getattr(args, "find_unused_parameters", True) is False:  # the DDP scripts' flag
+            handle = optimizer.register_step_pre_hook(check)
+        return optimizer
+    return made
 
 
 def failure(e):

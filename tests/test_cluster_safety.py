@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from ddpkit import checkpoint, data, sigterm
 from conftest import ROOT, TORCHRUN2, Watched, agreements, family, free_port, kept, load, \
-    process_group, read_metrics, read_records, script_env, spawn_nodes, threads, \
+    process_group, read_metrics, read_records, run_script, script_env, spawn_nodes, threads, \
     two_ranks_one_device, with_task
 
 ARGS = ("--batch-size", 32, "--log-interval", 1000)  # 19 steps an epoch on the tiny MNIST
@@ -344,3 +344,19 @@ def test_the_meeting_names_who_did_not_come_and_refuses_another_backend():
         said = f"the processes of node(s) {lacking} would train with gloo on cpu, the others " \
             "with nccl on cuda"
         assert all(str(e).startswith(said) for e in out.values()), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py"])
+def test_deterministic_reaches_every_process(tiny_mnist, tmp_path, script):
+    """--deterministic is in force in every training process at every step: spawn_ddp.py's (a
+    new interpreter that parsed no flags) and torchrun's (each parses its own): deterministic
+    algorithms, cuDNN's deterministic kernels, no benchmark, cuBLAS's workspace; the CPU's
+    training runs with them."""
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    run_script(script, "--data-dir", tiny_mnist, "--batch-size", 200, "--deterministic",
+               record=rec, nproc=2, OMP_NUM_THREADS=1)
+    rows = read_records(rec, "lr")
+    assert sorted({r["rank"] for r in rows}) == [0, 1] and len(rows) == 2 * 3, rows
+    assert all(r["deterministic"] == [True, True, False, ":4096:8"] for r in rows), rows

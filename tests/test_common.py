@@ -538,3 +538,27 @@ def test_a_checkpoint_fitted_on_the_meta_device_still_loads_into_the_optimizers_
     checkpoint.load_model_state(model, state, path)
     assert all(a is b for a, b in zip(params, model.parameters()))
     assert all(torch.equal(p, state[k]) for k, p in model.named_parameters())
+
+
+def test_the_first_step_names_parameters_without_a_gradient_under_ddp():
+    """The task's optimizer (load_task wraps make_optimizer) checks its first step: under the
+    DDP scripts without --find-unused-parameters, a parameter without a gradient is named in
+    one line before anything is updated; with the flag, or in scripts without it (FSDP2,
+    DataParallel), the step goes on."""
+    task = load_task(None)
+    for flag, refused in ((False, True), (True, False), (None, False)):
+        args = flags.parse_args("", "spawn" if flag is not None else "fsdp", ["--dummy"] + (
+            ["--find-unused-parameters"] if flag else []))
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(2, 1), "spare": torch.nn.Linear(2, 1)})
+        optimizer = task.make_optimizer(model, args)
+        model["used"](torch.ones(3, 2)).sum().backward()
+        before = model["used"].weight.detach().clone()
+        if refused:
+            with pytest.raises(common.Fatal, match=r"^the model's spare\.weight, spare\.bias got no "
+                               r"gradient in the first step .*--find-unused-parameters"):
+                optimizer.step()
+            assert torch.equal(model["used"].weight, before)  # nothing updated
+        else:
+            optimizer.step()
+            assert not torch.equal(model["used"].weight, before)
+        optimizer.step()  # the check runs once: a second step goes on either way

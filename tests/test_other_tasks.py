@@ -132,6 +132,46 @@ def test_a_task_file_is_one_task_however_it_is_spelled(task_run, tmp_path):
     assert f"--task {task} in the checkpoint, {other} now" in results[5]["stderr"]
 
 
+SPARE_HEAD = """
+class TwoHeads(nn.Module):  # a second head its forward never uses
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU())
+        self.head, self.spare = nn.Linear(64, 1), nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x)).sum(1)  # a new tensor: FSDP2 warns of a view
+
+
+def make_model(args):
+    return TwoHeads()
+"""
+
+
+def test_a_parameter_without_a_gradient_is_named_or_trained_past(tmp_path):
+    """A model with a head its forward skips, torchrun at 2 processes: DDP without
+    --find-unused-parameters is refused in one line (one per node, as bad input) that names
+    the head's parameters and the flag, before the first update (exit 2, torchrun's 1); with the flag it
+    trains; FSDP2, which needs no flag (a parameter without a gradient takes no part in the
+    reduce-scatter or the step), trains the same model and optimizer state, in fp32."""
+    task = tmp_path / "spare.py"
+    task.write_text((ROOT / "tasks" / "regression.py").read_text() + SPARE_HEAD)
+    flags = ("--task", task, "--samples", 256, "--batch-size", 64, "--epochs", 2, "--amp",
+             "none", "--log-interval", 1)
+    r = run_script("torchrun_ddp.py", *flags, launcher=TORCHRUN2, cwd=tmp_path, check=False,
+                   OMP_NUM_THREADS=1)
+    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert r.returncode == 1 and len(errors) == 1 and "step 1/" not in r.stdout, r.stderr
+    assert errors[0].endswith("error: the model's spare.weight, spare.bias got no gradient in the "
+                              "first step (a branch its forward skips): add "
+                              "--find-unused-parameters, or freeze them (requires_grad=False)")
+    run_script("torchrun_ddp.py", *flags, "--find-unused-parameters", "--checkpoint",
+               tmp_path / "ddp.pt", launcher=TORCHRUN2, cwd=tmp_path, OMP_NUM_THREADS=1)
+    run_script("torchrun_fsdp.py", *flags, "--checkpoint", tmp_path / "snap", launcher=TORCHRUN2,
+               cwd=tmp_path, OMP_NUM_THREADS=1)
+    assert_same_training_state(load(tmp_path / "ddp.pt"), load(tmp_path / "snap"))
+
+
 BATCHNORM = """
 def make_model(args):  # BatchNorm1d: a batch of one sample cannot be normalised in training
     return nn.Sequential(nn.Linear(FEATURES, 64), nn.BatchNorm1d(64), nn.ReLU(),

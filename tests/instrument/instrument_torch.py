@@ -157,7 +157,11 @@ if RECORD:
 
     def _record_lr(optimizer, args, kwargs):
         _append("lr", {"rank": dist.get_rank() if dist.is_initialized() else 0,
-                       "lr": optimizer.param_groups[0]["lr"]})
+                       "lr": optimizer.param_groups[0]["lr"],
+                       "deterministic": [torch.are_deterministic_algorithms_enabled(),
+                                         torch.backends.cudnn.deterministic,
+                                         torch.backends.cudnn.benchmark,
+                                         os.environ.get("CUBLAS_WORKSPACE_CONFIG")]})
     register_optimizer_step_pre_hook(_record_lr)
 
     _save = torch.save
