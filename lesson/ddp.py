@@ -21,7 +21,8 @@ from torchvision.datasets import MNIST
 
 
 class Net(nn.Module):
-    """Two convolutions with BatchNorm, whose running statistics are buffers, and a small head."""
+    """Two convolutions with BatchNorm, whose running statistics are buffers, and a small head.
+    No bias in a convolution before BatchNorm: subtracting the batch mean cancels it."""
 
     def __init__(self):
         super().__init__()

@@ -1,6 +1,6 @@
 """The lesson's next chapter: ddp.py made FSDP2 (fully_shard), for a model that outgrows DDP:
 each process keeps 1/N of the weights, gradients and optimizer state (docs/fsdp.md).
-torch 2.7 or later (2.6 on GPUs), and torchvision: nothing else of this repository.
+FSDP2 needs torch 2.7 or later (2.6 on CUDA); and torchvision: nothing else of this repository.
 
     torchrun --standalone --nproc-per-node 2 lesson/fsdp.py --epochs 2 --checkpoint lesson.pt
 """
@@ -23,7 +23,8 @@ from torchvision.datasets import MNIST
 
 
 class Net(nn.Module):
-    """Two convolutions with BatchNorm, whose running statistics are buffers, and a small head."""
+    """Two convolutions with BatchNorm, whose running statistics are buffers, and a small head.
+    No bias in a convolution before BatchNorm: subtracting the batch mean cancels it."""
 
     def __init__(self):
         super().__init__()
@@ -103,7 +104,8 @@ def main():
             dist.broadcast(buffer, src=0)  # with its own batches: rank 0's (the saved ones)
         counts = torch.zeros(2, device=device)  # correct predictions, test samples
         # Each forward gathers weights, a collective: every process runs as many as rank 0,
-        # whose shard of the test set is the longest (101 samples at 2: 51 and 50).
+        # whose shard of the test set is the longest: range(rank, N, world_size) gives rank 0
+        # ceil(N / world_size) samples (101 at 2: 51 and 50), so at most one batch more.
         most = math.ceil(math.ceil(len(test_set) / world_size) / batch_size)
         batches = iter(test_loader)
         with torch.no_grad():

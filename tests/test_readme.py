@@ -63,6 +63,20 @@ def test_readme_links_point_at_the_ddp_lines():
             assert code in text, f"README: {name}#L{line} is {text.strip()!r}, not {code!r}"
 
 
+def test_the_fsdp_table_links_its_lines():
+    """The FSDP2 chapter's table: at least the seven changes, each linked to its line in
+    lesson/fsdp.py, whose code (the row's first backticked text) that line contains."""
+    section = readme().split("## From DDP to FSDP2", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert len(rows) >= 7
+    lines = (ROOT / "lesson" / "fsdp.py").read_text().splitlines()
+    for row in rows:
+        code = re.search(r"`([^`]+)`", row).group(1)
+        [(shown, line)] = re.findall(r"\[(\d+)\]\(lesson/fsdp\.py#L(\d+)\)", row)
+        assert shown == line and code in lines[int(line) - 1], row
+        assert all(len(cell.split()) <= 32 for cell in row.strip("|").split("|")), row
+
+
 def test_the_lesson_tables_have_short_cells():
     """No cell of the lesson's two tables is longer than about 30 words."""
     for line in lesson_section().splitlines():
