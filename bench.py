@@ -445,8 +445,9 @@ def save_curves(folder, path):
                 for t in events.Tags()["scalars"]}
     curves = read(folder)
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
-    ax.plot(*zip(*curves["step/train_loss"]), lw=1, label="step/train_loss")
-    ax.plot(*zip(*curves["epoch/train_loss"]), "o", label="epoch/train_loss")
+    for tag, style in (("step/train_loss", "-"), ("epoch/train_loss", "o")):
+        if tag in curves:  # (no step curve where --log-interval exceeds an epoch)
+            ax.plot(*zip(*curves[tag]), style, lw=1, label=tag)
     ax.set_xlabel("global step")
     ax.set_ylabel("training loss")
     lines = ax.get_lines()

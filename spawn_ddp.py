@@ -74,7 +74,7 @@ def train(place, args, store_file):
     report.start(epoch, step, steps, optimizer)  # the LR line; --tensorboard goes on from here
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     ddp = DDP(model, device_ids=[place.local_rank] if cuda else None,  # backward averages
-              find_unused_parameters=args.find_unused_parameters)  # (ddpkit/task.py)
+              find_unused_parameters=args.find_unused_parameters)  # the gradients
     net = torch.compile(ddp) if args.compile else ddp  # compiled after the wrap, as documented
 
     def save(epoch, step):  # by one writer; the plain model's state: no "module." prefix

@@ -31,10 +31,10 @@ class Reporter:
         256 scaled by --lr-scaling, or where the task's own optimizer starts elsewhere, that.
         Training continues after `step` steps of epoch `epoch` (0, 0: a new run), `steps` an
         epoch: the same at any world size, ceil(samples / global batch) (less a batch of one
-        left out, data.drop_last). --tensorboard's curves
-        go on at the next global step in the folder's run; from that step on, what an earlier
-        run wrote there (after the snapshot it stopped at) is dropped when TensorBoard reads the
-        folder (purge_step): every step once, in order. --evaluate writes nothing."""
+        left out, data.drop_last). --tensorboard's curves go on at the next global step in the
+        folder's run; from that step on, what an earlier run wrote there (after the snapshot it
+        stopped at) is dropped when TensorBoard reads the folder (purge_step): every step once,
+        in order. --evaluate writes nothing."""
         args, self.steps = self.args, steps
         group = optimizer.param_groups[0]
         lr, peak = group.get("initial_lr", group["lr"]), common.peak_lr(args)  # (before warmup)

@@ -129,8 +129,8 @@ def straight(tiny_mnist, shared):
 
 # script: (its own flags, the straight run it ends as: conftest.straight's (nproc, accumulate))
 PREEMPTED = {
-    "spawn_ddp.py": (("--workers", 2, "--accumulate", 2), (2, 2)),
-    "torchrun_ddp.py": (("--workers", 2, "--accumulate", 2), (2, 2)),
+    "spawn_ddp.py": (("--workers", 2, "--accumulate", 2, "--deterministic"), (2, 2)),
+    "torchrun_ddp.py": (("--workers", 2, "--accumulate", 2, "--deterministic"), (2, 2)),
     "torchrun_fsdp.py": (("--workers", 2, "--accumulate", 2), (2, 2)),
     "apex_ddp.py": ((), (2, 1)),  # its native path, O1: fp32 on these CPUs
     "dp_baseline.py": (("--workers", 2), (1, 1)),
