@@ -28,7 +28,7 @@ except ImportError:
 
 import common
 from ddpkit import checkpoint, data, flags, launch, machine, reporting, sigterm
-from ddpkit.task import load_task
+from ddpkit.task import load_task, same_weights
 
 
 def main(place):
@@ -69,6 +69,7 @@ def train(place, args):
     # Model, optimizer and schedule from --seed; with --resume, continued from --checkpoint.
     torch.manual_seed(args.seed)  # the same weights in every process: FSDP broadcasts none
     model = task.make_model(args)  # whole in host memory; only each process's shard goes on
+    same_weights(model, device)  # one all-gather of a checksum: a patchwork is refused here
     if args.sync_bn:  # BatchNorm statistics over the global batch; converted before it runs
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # Elastic: a group that torchrun (re)starts continues from the snapshot, if any has one.

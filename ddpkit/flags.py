@@ -148,6 +148,9 @@ def parse_args(description, launcher, argv=None):
     task.add_task_flags(p)  # last: a task may also change the defaults above (set_defaults)
     args = p.parse_args(argv)
     args.task = args.task and os.path.normpath(args.task)  # as compared by a resume
+    # One spelling: a shell completes a link to a folder with "/" (and islink("snap/") follows
+    # it), so "snap/", "./snap" and "snap" must be one checkpoint.
+    args.checkpoint = args.checkpoint and os.path.normpath(args.checkpoint)
     machine.deterministic(args.deterministic)  # every process that parses: before CUDA work
     return args
 

@@ -10,6 +10,7 @@ import types
 import warnings
 
 import torch
+import torch.distributed as dist
 
 import common
 from common import Fatal
@@ -101,6 +102,23 @@ def first_call_checked(loss_fn):
         CHECKING.clear()
         return loss
     return checked
+
+
+def same_weights(model, device):
+    """FSDP sends no initial weights: a make_model that differs between processes (a seed or a
+    file of its own) would train a patchwork. One all-gather of two numbers (the sum and the sum
+    of squares of every weight) finds it, and names the processes, before anything trains."""
+    tensors = [t for t in model.state_dict().values() if t.is_floating_point() and not t.is_meta]
+    mine = torch.tensor([sum(t.sum(dtype=torch.float64).item() for t in tensors), sum(
+        torch.linalg.vector_norm(t, dtype=torch.float64).item() ** 2 for t in tensors)],
+        device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    other = [str(r) for r, e in enumerate(everyone) if not torch.equal(e, everyone[0])]
+    if other:
+        raise Fatal(f"make_model built other weights in rank(s) {', '.join(other)} than in rank "
+                    "0 (a seed or a file of its own per process?): FSDP sends none, so every "
+                    "process must build the same (docs/fsdp.md)")
 
 
 def unused_checked(make_optimizer):

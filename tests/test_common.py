@@ -562,3 +562,14 @@ def test_the_first_step_names_parameters_without_a_gradient_under_ddp():
             optimizer.step()
             assert not torch.equal(model["used"].weight, before)
         optimizer.step()  # the check runs once: a second step goes on either way
+
+
+def test_a_checkpoint_path_has_one_spelling():
+    """A shell completes a link to a folder with "/" (torchrun_fsdp.py's DCP link), and
+    os.path.islink("snap/") follows the link: --checkpoint is normalised where it is read, so
+    "snap/", "./snap" and "snap" are one checkpoint (test_fsdp.py's killed worker runs with
+    "snap/")."""
+    for given in ("snap/", "./snap", "snap", "runs//snap/"):
+        args = flags.parse_args("", "fsdp", ["--dummy", "--checkpoint", given])
+        assert args.checkpoint == os.path.normpath(given) and not args.checkpoint.endswith("/")
+    assert flags.parse_args("", "fsdp", ["--dummy", "--checkpoint", "snap/"]).checkpoint == "snap"

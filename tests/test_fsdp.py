@@ -50,14 +50,16 @@ def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist
     resumes from it by itself, and ends with the model and optimizer state of an uninterrupted
     run of torchrun_ddp.py, bit for bit. The folder holds a shard file per process, each about
     half of the state, and torch's converter makes it a plain state dict that common.py's
-    model loads. --tensorboard: the killed run wrote steps past the snapshot, and TensorBoard
-    reads each step once, in order, with the uninterrupted run's printed loss (purge_step).
+    model loads. --checkpoint is given as a shell completes a link to a folder, "snap/": one
+    checkpoint with "snap". --tensorboard: the killed run wrote steps past the snapshot, and
+    TensorBoard reads each step once, in order, with the uninterrupted run's printed loss
+    (purge_step).
     Why 30 s: two starts of the group, and a slow write."""
     snap, second, tb = tmp_path / "snap", tmp_path / "snap.1", tmp_path / "tb"
     cmd = [sys.executable, *TORCHRUN, "--nproc-per-node=2", "--max-restarts=1",
            str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size", "32", "--epochs",
            "2", "--save-every", "6", "--log-interval", "1", "--timeout", "30",
-           "--checkpoint", str(snap), "--tensorboard", str(tb)]
+           "--checkpoint", f"{snap}/", "--tensorboard", str(tb)]  # as a shell completes it
     env = script_env(DDP_TEST_STEP_DELAY=0.05, DDP_TEST_SLOW_SAVE=0.02)  # each tensor DCP
     with process_group(cmd, env) as proc:  # writes takes 0.02 s more: a save, about 1 s
         wait_for(lambda: second.is_dir() and any(second.iterdir()), 90, "the second snapshot")
@@ -197,3 +199,28 @@ def test_a_task_of_its_own_trains_as_under_ddp(task_run, tmp_path):
     run(None, "--task", task, *TASKS["text"], *TASK_RUN, "--checkpoint", tmp_path / "snap",
         pythonpath=path)
     assert_same_training_state(load(d / "c.pt"), load(tmp_path / "snap"))
+
+
+RANK_SEEDED = """
+
+def make_model(args):  # a seed of its own in each process: other initial weights in each
+    torch.manual_seed(int(os.environ["RANK"]))
+    return nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 1), nn.Flatten(0))
+"""
+
+
+@pytest.mark.slow
+def test_processes_that_build_other_weights_are_refused(tmp_path):
+    """FSDP sends no initial weights: a make_model seeded per process would train a patchwork
+    to the end, exit 0. One all-gather of a checksum refuses it before any step, in one line
+    that names the other process (exit 2; torchrun's 1)."""
+    task = tmp_path / "seeded.py"
+    task.write_text("import os\n" + (ROOT / "tasks" / "regression.py").read_text() + RANK_SEEDED)
+    r = run(None, "--task", task, "--samples", 256, "--batch-size", 64, "--checkpoint",
+            tmp_path / "snap", check=False, cwd=tmp_path)
+    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert r.returncode == 1 and len(errors) == 1 and "step" not in r.stdout, r.stderr
+    assert errors[0] == ("[rank 0] error: make_model built other weights in rank(s) 1 than in "
+                         "rank 0 (a seed or a file of its own per process?): FSDP sends none, so "
+                         "every process must build the same (docs/fsdp.md)"), errors
+    assert not (tmp_path / "snap").exists()
