@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from ddpkit import checkpoint, data, sigterm
 from conftest import ROOT, TORCHRUN2, Watched, agreements, family, free_port, kept, load, \
-    process_group, read_metrics, read_records, run_script, script_env, spawn_nodes, threads, \
+    process_group, read_metrics, read_records, script_env, spawn_nodes, threads, \
     two_ranks_one_device, with_task
 
 ARGS = ("--batch-size", 32, "--log-interval", 1000)  # 19 steps an epoch on the tiny MNIST
