@@ -429,6 +429,15 @@ def save_chart(results, path, title):
     print(f"\nchart: {path}")
 
 
+def read_curves(where):
+    """{tag: [(step, value), ...]} of a --tensorboard folder (or one event file), as
+    TensorBoard's own reader keeps them: a restarted writer's purge_step applied."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(where), size_guidance={"scalars": 0})  # 0: all of them
+    events.Reload()
+    return {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
+
+
 def save_curves(folder, path):
     """A --tensorboard folder as TensorBoard reads it: the loss at each logged step and each
     epoch's, the first test metric on its own axis, and a dashed line where each later run
@@ -436,14 +445,7 @@ def save_curves(folder, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    def read(where):
-        events = EventAccumulator(str(where), size_guidance={"scalars": 0})  # 0: all of them
-        events.Reload()
-        return {t: [(e.step, e.value) for e in events.Scalars(t)]
-                for t in events.Tags()["scalars"]}
-    curves = read(folder)
+    curves = read_curves(folder)
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     for tag, style in (("step/train_loss", "-"), ("epoch/train_loss", "o")):
         if tag in curves:  # (no step curve where --log-interval exceeds an epoch)
@@ -456,7 +458,7 @@ def save_curves(folder, path):
         right = ax.twinx()
         lines += right.plot(*zip(*curves[tests[0]]), "s", color="tab:green", label=tests[0])
         right.set_ylabel(tests[0].split("/")[1])
-    starts = sorted(read(f).get("step/train_loss", [(None,)])[0][0]
+    starts = sorted(read_curves(f).get("step/train_loss", [(None,)])[0][0]
                     for f in Path(folder).glob("events.out.tfevents.*"))
     for step in [s for s in starts if s][1:]:
         ax.axvline(step - 0.5, ls="--", color="gray")

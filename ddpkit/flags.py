@@ -161,8 +161,9 @@ def check_args(args, task, place=None, elastic=False, cuda=None, sharded=False):
     process under torchrun (`elastic`: it resumes whenever it finds --checkpoint). `task`: the
     one the checkpoint must fit. `cuda`: whether it trains on CUDA (default: with a GPU).
     `sharded`: torchrun_fsdp.py's, whose checkpoint is a folder."""
+    spawns = hasattr(args, "nnodes")  # spawn_ddp.py's launcher, checking for its processes
     if place is None:
-        place = launch.spawn_place(args, 0) if hasattr(args, "nnodes") else launch.Place()
+        place = launch.spawn_place(args, 0) if spawns else launch.Place()
     gpus, dp = torch.cuda.device_count(), args.timeout is None
     cuda = gpus > 0 if cuda is None else cuda
     nnodes, node_rank = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)  # spawn's
@@ -229,7 +230,7 @@ def check_args(args, task, place=None, elastic=False, cuda=None, sharded=False):
                     "or give another path to start a new one")
     if args.checkpoint and (args.evaluate or args.resume or elastic):
         checkpoint.check_file(args, task, place,  # it is this run's, and fits the model; a
-                              keep=not hasattr(args, "nnodes"))  # process that trains keeps it
+                              keep=not spawns)  # process that trains keeps what it read
     if place.local_rank == 0:  # --amp auto: decided once the job has met (checkpoint.agreed)
         machine.warn_if_slower(args.amp, gpu if cuda else None)
     if getattr(args, "master_port", None) and node_rank == 0:  # node 0 hosts the store there

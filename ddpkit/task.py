@@ -112,9 +112,11 @@ def same_weights(model, device):
     mine = torch.tensor([sum(t.sum(dtype=torch.float64).item() for t in tensors), sum(
         torch.linalg.vector_norm(t, dtype=torch.float64).item() ** 2 for t in tensors)],
         device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    other = [str(r) for r, e in enumerate(everyone) if not torch.equal(e, everyone[0])]
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    common.recent.extend([mine, *gathered])  # referenced past the collective (common.recent)
+    dist.all_gather(gathered, mine)
+    everyone = torch.stack(gathered).tolist()  # one wait for the device, as checkpoint.agreed
+    other = [str(r) for r, e in enumerate(everyone) if e != everyone[0]]
     if other:
         raise Fatal(f"make_model built other weights in rank(s) {', '.join(other)} than in rank "
                     "0 (a seed or a file of its own per process?): FSDP sends none, so every "
@@ -176,11 +178,10 @@ def misfit(e, part, codes):
     error: " (the error's words are the diagnosis)."""
     step = common.evaluate.__code__ not in codes and part.startswith(
         ("loss_fn", "collate", "the model's forward", "the dataset"))  # (make_optimizer's: no)
-    mode = part == "the model's forward"  # which passed in eval mode, before training
+    forward, note = part == "the model's forward", getattr(e, "task_note", "")
     said = "the task does not fit the scripts" + " in the first training step" * step + (
-        " (train mode; the evaluation-mode check passed)" * (step and mode)) + \
-        f": {getattr(e, 'task_note', '')}"
+        " (train mode; the evaluation-mode check passed)" * (step and forward)) + f": {note}"
     words, doc = f"{part} raised {common.reason(e)}", " (docs/your-own-task.md)"
-    room = max((200 if getattr(e, "task_note", "") else 243) - len(said) - len(doc), 40)
+    room = max((200 if note else 243) - len(said) - len(doc), 40)
     return said + (words if len(words) <= room else words[:room - 3] + "...") + doc
 

@@ -341,13 +341,10 @@ def read_metrics(path):
 
 
 def read_tensorboard(folder):
-    """{tag: [(step, value), ...]} as TensorBoard reads the folder (its EventAccumulator, which
-    applies a restarted writer's purge_step), in the order it keeps them."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep them all
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
-            for tag in events.Tags()["scalars"]}
+    """{tag: [(step, value), ...]} as TensorBoard's own reader keeps a folder or an event file
+    (bench.read_curves, which bench.py draws from)."""
+    import bench
+    return bench.read_curves(folder)
 
 
 class Watched:
