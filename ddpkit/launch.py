@@ -2,6 +2,7 @@
 gives), where they meet when the script itself must say (spawn_ddp.py's store; torchrun's,
 with a meeting of this round), how each ends (one line, an exit code, and leaving the process
 group at once), and mp.spawn's worker and launcher. docs/clusters.md."""
+import atexit
 import contextlib
 import os
 import re
@@ -9,6 +10,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from multiprocessing import connection
@@ -69,7 +71,7 @@ def clean_exit(place=Place()):
     first (`leave_group`), so that the others fail at once instead of waiting out --timeout."""
     try:
         yield
-        return
+        end(0)
     except Fatal as e:  # bad input, a SIGTERM (sigterm.Preempted)
         line, code = str(e) and f"{e.says}: {e}", e.code
         if code == Fatal.code and place.local_rank != 0:
@@ -89,7 +91,23 @@ def clean_exit(place=Place()):
     if line:
         say(place.who + line)
     leave_group()
-    sys.exit(code)  # outside the except: the failed frames are released first
+    end(code)  # outside the except: the failed frames are released first
+
+
+def end(code):
+    """The process's end, without the interpreter's finalization: gloo's threads outlive
+    destroy_process_group (the model still holds the group), and one that frees a collective's
+    tensors once Python finalizes aborts the process ("terminate called without an active
+    exception", exit -6: 3 FSDP runs in 27 here; pytorch/pytorch#190489, Python before 3.14:
+    python/cpython#87135). What finalization does first still runs: other threads finish, the
+    atexit functions (data workers, logging) run, and the output is flushed."""
+    for thread in threading.enumerate():
+        if not thread.daemon and thread is not threading.current_thread():
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def leave_group():

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(script))
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from ddpkit import flags, task  # noqa: E402
+from ddpkit import flags, launch, task  # noqa: E402
 
 
 class Started(BaseException):
@@ -58,6 +58,7 @@ def parse(self, *args, **kwargs):
 
 
 setattr(flags.Parser, METHOD, parse)
+launch.end = sys.exit              # the scripts' end, os._exit's, would end this process too
 mp.spawn = started                # spawn_ddp.py starts its workers
 subprocess.run = started          # bench.py runs the scripts
 subprocess.Popen = started
