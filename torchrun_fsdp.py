@@ -81,8 +81,8 @@ def train(place, args):
     # With --amp, gathered and computed in that dtype, gradients reduced in fp32.
     policy = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32)
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    for unit in norms if amp is not None else []:  # BatchNorm computes with fp32 weights, as
-        fully_shard(unit)  # under autocast (a CPU's refuses bf16 weights beside fp32 statistics)
+    if norms and amp is not None:  # BatchNorm computes with fp32 weights, as under autocast (a
+        fully_shard(norms)  # CPU's refuses bf16 beside fp32 statistics): one unit for them all
     for unit in task.fsdp_units(model):  # the task's units; MNIST's: each child with weights
         if not isinstance(unit, FSDPModule):  # (a BatchNorm child: a unit already)
             fully_shard(unit, mp_policy=policy)

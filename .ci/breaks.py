@@ -29,7 +29,7 @@ BREAKS = [  # (the promise, the file, a line as it is, the line broken[, the tes
        "with nullcontext():") for s in (S, T)),
     ("one reduction a step", F, "set_requires_gradient_sync(last)", "set_requires_gradient_sync(True)"),
     ("the atomic write", CK, 'tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"', "tmp = str(path)"),
-    ("the atomic write", CK, 'folder = f"{path}.{int(slot)}"', "folder = path", "fsdp"),
+    ("the atomic write", CK, 'folder = f"{path}.{int(name):08x}"', "folder = path", "fsdp"),
     ("the weights-only read", CK, "weights_only=True, mmap=True", "weights_only=False, mmap=True"),
     ("the run's identity", CK, "differ = [differs(", "differ = [] and [differs("),
     ("one TensorBoard writer", "ddpkit/reporting.py", "if self.on and self.args.tensorboard",

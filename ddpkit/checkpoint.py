@@ -4,6 +4,7 @@ only, and fits the model), agreed (whether and from where the processes resume, 
 restored. docs/preemption.md, docs/fsdp.md."""
 import json
 import os
+import re
 from collections import OrderedDict
 import secrets
 import shutil
@@ -75,9 +76,11 @@ def load(path):
 
 
 # ---- The sharded form: a DCP folder, every process writing its own shards ------------------
-# --checkpoint DIR is a link to DIR.0 or DIR.1 beside it. A save writes the other folder, and
-# the link is replaced (a rename: atomic) once every process has written: a kill at any moment
-# leaves the previous snapshot whole. Model and optimizer in DCP's files; the rest in RUN_JSON.
+# --checkpoint DIR is a link to a folder beside it, DIR.<8 hex digits>, a new name each save.
+# Every process writes the new folder, then the link is replaced (a rename: atomic), and only
+# then are the older folders deleted: a kill at any moment leaves a whole snapshot at DIR. No
+# process reads the link to choose (a stale view of it, on NFS, would choose the live one).
+# Model and optimizer in DCP's files; the rest in RUN_JSON.
 
 RUN_JSON = "run.json"
 
@@ -90,13 +93,9 @@ def save_sharded(model, optimizer, scheduler, scaler, epoch, step, args):
     path, rank = args.checkpoint, dist.get_rank()
     for b in model.buffers():  # rank 0's BatchNorm statistics, the model DDP saves (each
         dist.broadcast(b, src=0)  # process updates its own; DCP would write any process's)
-    slot = torch.tensor(int(os.path.islink(path) and os.readlink(path).endswith(".0")),
-                        device=next(model.parameters()).device)
-    dist.broadcast(slot, src=0)  # the folder the link does not point to, as rank 0 sees it
-    folder = f"{path}.{int(slot)}"
-    if rank == 0 and os.path.isdir(folder):
-        shutil.rmtree(folder)  # an older snapshot, or an unfinished one
-    dist.barrier()
+    name = torch.tensor(secrets.randbits(31), device=next(model.parameters()).device)
+    dist.broadcast(name, src=0)  # rank 0's draw: one new folder for all (not torch's seeded RNG)
+    folder = f"{path}.{int(name):08x}"
     model_state, optimizer_state = get_state_dict(model, optimizer)
     try:
         save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
@@ -105,11 +104,17 @@ def save_sharded(model, optimizer, scheduler, scaler, epoch, step, args):
                 json.dump(progress(scheduler, scaler, epoch, step, args), f)
                 f.flush()
                 os.fsync(f.fileno())
-            if os.path.isdir(path) and not os.path.islink(path):  # a folder copied here
-                os.replace(path, f"{path}.{1 - int(slot)}")
+            if os.path.isdir(path) and not os.path.islink(path):  # a folder copied here: out
+                os.replace(path, f"{path}.{secrets.randbits(32):08x}")  # of the link's way
             link = f"{path}.{secrets.token_hex(4)}.tmp"
             os.symlink(os.path.basename(folder), link)
             os.replace(link, path)
+            base, ours = os.path.basename(path), re.compile(r"\.([01]|[0-9a-f]{8})(\.tmp)?")
+            for old in os.listdir(os.path.dirname(os.path.abspath(path))):  # older snapshots,
+                if old.startswith(base) and ours.fullmatch(old[len(base):]) and \
+                        old != os.path.basename(folder):  # unfinished ones, and links
+                    old = os.path.join(os.path.dirname(path), old)
+                    os.remove(old) if os.path.islink(old) else shutil.rmtree(old)
     except (OSError, CheckpointException) as e:  # DCP's (a BaseException): every process's
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
         if isinstance(cause, OSError):
@@ -122,6 +127,22 @@ def save_sharded(model, optimizer, scheduler, scaler, epoch, step, args):
         raise Fatal(f"could not write the checkpoint {path} ({why}); the previous one, if any, "
                     "is intact") from None
     dist.barrier()  # nobody runs ahead, or exits, before the checkpoint is complete
+
+
+def check_links(path):
+    """A save replaces the link DIR by a rename: a filesystem without links or that rename (FAT,
+    some SMB and FUSE mounts) is refused at the start, not at the first save."""
+    probes = [f"{path}.{secrets.token_hex(4)}.tmp" for _ in range(2)]  # (a save deletes them)
+    try:
+        for probe in probes:
+            os.symlink(".", probe)
+        os.replace(*probes)
+        os.remove(probes[1])
+    except OSError as e:
+        [os.remove(p) for p in probes if os.path.lexists(p)]
+        raise Fatal(f"--checkpoint {path}: torchrun_fsdp.py's checkpoint is a link replaced by a "
+                    f"rename, which its filesystem refuses ({e.strerror}); give a path on another "
+                    "one") from None
 
 
 def restore_sharded(model, optimizer, path):

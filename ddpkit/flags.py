@@ -264,3 +264,7 @@ def check_args(args, task, place=None, elastic=False, cuda=None, sharded=False):
                 raise PermissionError(13, "Permission denied")
         except OSError as e:
             raise Fatal(f"{flag} {path}: cannot write in {folder} ({e.strerror})") from None
+    if sharded and writes and args.checkpoint and not args.evaluate:
+        checkpoint.check_links(args.checkpoint)
+    if sharded:  # (FSDP: before any process builds the model whole)
+        machine.check_host_memory(task, args, place.nproc)

@@ -252,7 +252,7 @@ def load_data(store, place, args, task):
         raise
     store.set(keys[place.rank], "")
     store.wait(keys, timedelta(seconds=args.timeout))
-    lost = [str(r) for r, key in enumerate(keys) if store.get(key)]
+    lost = [str(r) for r, v in enumerate(store.multi_get(keys)) if v]  # one request, not N
     if lost:
         raise dist.DistStoreError(f"rank(s) {', '.join(lost)} could not load the data (their "
                                   "own lines say why)")

@@ -113,3 +113,22 @@ def deterministic(on):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
+def check_host_memory(task, args, nproc):
+    """FSDP: every process builds the whole model in host memory before it shards it, `nproc`
+    copies at once on this machine. Where they cannot fit what Linux says is available, a line
+    now (the model measured on the meta device: no memory), not the kernel's OOM killer later."""
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration):  # not Linux
+        return
+    with torch.device("meta"):
+        model = task.make_model(args)
+    need = sum(t.nbytes for t in model.state_dict().values())
+    if need * nproc > free:
+        raise Fatal(f"each of the {nproc} processes on this machine builds the whole model "
+                    f"({need / 2**30:.1f} GiB) in host memory before sharding it: "
+                    f"{need * nproc / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB is available; "
+                    "start fewer per machine (--nproc-per-node), or see docs/fsdp.md")

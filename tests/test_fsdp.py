@@ -55,17 +55,24 @@ def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist
     TensorBoard reads each step once, in order, with the uninterrupted run's printed loss
     (purge_step).
     Why 30 s: two starts of the group, and a slow write."""
-    snap, second, tb = tmp_path / "snap", tmp_path / "snap.1", tmp_path / "tb"
+    snap, tb = tmp_path / "snap", tmp_path / "tb"
+
+    def second():  # the folder of the second snapshot, begun: not the one the link points to
+        first = snap.is_symlink() and os.readlink(snap)
+        return first and [p for p in tmp_path.glob("snap.*") if p.name != first and any(
+            p.iterdir())]
     cmd = [sys.executable, *TORCHRUN, "--nproc-per-node=2", "--max-restarts=1",
            str(ROOT / SCRIPT), "--data-dir", str(tiny_mnist), "--batch-size", "32", "--epochs",
            "2", "--save-every", "6", "--log-interval", "1", "--timeout", "30",
            "--checkpoint", f"{snap}/", "--tensorboard", str(tb)]  # as a shell completes it
     env = script_env(DDP_TEST_STEP_DELAY=0.05, DDP_TEST_SLOW_SAVE=0.02)  # each tensor DCP
     with process_group(cmd, env) as proc:  # writes takes 0.02 s more: a save, about 1 s
-        wait_for(lambda: second.is_dir() and any(second.iterdir()), 90, "the second snapshot")
+        wait_for(second, 90, "the second snapshot")
+        first = os.readlink(snap)
         os.kill(workers_of(proc.pid)[0], signal.SIGKILL)
-        assert not (second / ".metadata").exists()  # cut off, unfinished
-        assert os.readlink(snap) == "snap.0" and (snap / ".metadata").exists()
+        [cut] = second()
+        assert not (cut / ".metadata").exists()  # cut off, unfinished
+        assert os.readlink(snap) == first and (snap / ".metadata").exists()
         assert json.loads((snap / "run.json").read_text())["step"] == 6  # the first, whole
         out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, f"{out}\n{err}"
@@ -77,7 +84,7 @@ def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist
     shards = [p.stat().st_size for p in snap.glob("*.distcp")]  # one per process, each about
     assert len(shards) == 2 and max(shards) < 0.6 * sum(shards), shards  # half the state
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("snap")) == \
-        ["snap", "snap.0", "snap.1"]  # no link or folder of ours left over
+        ["snap", os.readlink(snap)]  # the unfinished folder and the older ones deleted
     runs = sorted((read_tensorboard(f)["step/train_loss"] for f in tb.iterdir()),
                   key=lambda c: c[0][0])  # each run's own file: the killed one's first
     assert [(c[0][0], c[-1][0] > 6) for c in runs] == [(1, True), (7, True)], runs
@@ -92,10 +99,11 @@ def test_killed_worker_restarts_and_ends_as_the_uninterrupted_ddp_run(tiny_mnist
 
 @pytest.fixture(scope="module")
 def after_epoch_1(tiny_mnist, tmp_path_factory):
-    """2 processes, --batch-size 48 (divides by 1, 2 and 3), stopped after epoch 1 of 2."""
+    """2 processes, --batch-size 48 (divides by 1, 2 and 3), stopped after epoch 1 of 2, saved
+    three times (steps 5 and 10, the epoch's end)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     run(tiny_mnist, "--batch-size", 48, "--epochs", 2, "--stop-after", 1, "--checkpoint",
-        tmp / "snap", "--tensorboard", tmp / "tb")
+        tmp / "snap", "--tensorboard", tmp / "tb", "--save-every", 5)
     return tmp / "snap"
 
 
@@ -103,14 +111,20 @@ def after_epoch_1(tiny_mnist, tmp_path_factory):
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_a_run_continues_at_another_world_size(tiny_mnist, tmp_path, after_epoch_1, nproc):
     """DCP reshards: the run stopped after epoch 1 at 2 processes continues at 1 (plain
-    python) and at 3, from a copy of its folder (a real folder, not a link: the first save
-    moves it aside), and trains epoch 2 only; its --tensorboard curves go on at the global
-    step where they stopped (13 steps an epoch at any world size)."""
+    python) and at 3, and trains epoch 2 only; its --tensorboard curves go on at the global
+    step where they stopped (13 steps an epoch at any world size). After the run's three saves,
+    the link was replaced by a copy of the folder it pointed to, which stays beside it, with
+    two folders of an older release's names, DIR.0 and DIR.1: the copy resumes, three saves
+    follow, and the link and its newest folder are left."""
     snap = tmp_path / "snap"
-    shutil.copytree(after_epoch_1, snap)  # what the link points to
-    shutil.copytree(after_epoch_1.parent / "tb", tmp_path / "tb")
+    shutil.copytree(after_epoch_1.parent, tmp_path, symlinks=True, dirs_exist_ok=True)
+    target = tmp_path / os.readlink(snap)
+    snap.unlink()
+    for copy in ("snap", "snap.0", "snap.1"):
+        shutil.copytree(target, tmp_path / copy)
     r = run(tiny_mnist, "--batch-size", 48, "--epochs", 2, "--checkpoint", snap, "--metrics",
-            tmp_path / "m.jsonl", "--tensorboard", tmp_path / "tb", nproc=nproc)
+            tmp_path / "m.jsonl", "--tensorboard", tmp_path / "tb", "--save-every", 5,
+            nproc=nproc)
     assert f"loaded {snap}: 1 epoch(s) + 0 step(s)" in r.stdout
     [row] = read_metrics(tmp_path / "m.jsonl")
     assert (row["epoch"], row["world_size"]) == (2, nproc)
@@ -119,6 +133,7 @@ def test_a_run_continues_at_another_world_size(tiny_mnist, tmp_path, after_epoch
     assert curves["epoch/world_size"] == [(13, 2), (26, nproc)]
     assert curves["epoch/test_acc"][-1] == (26, pytest.approx(row["test_acc"], rel=1e-6))
     assert snap.is_symlink() and json.loads((snap / "run.json").read_text())["epoch"] == 2
+    assert sorted(p.name for p in tmp_path.glob("snap*")) == ["snap", os.readlink(snap)]
 
 
 @pytest.mark.slow
@@ -142,7 +157,10 @@ def test_evaluation_with_unequal_shards_ends_and_says_the_saved_model(tmp_path, 
 
 @pytest.mark.slow
 def test_refusals_of_the_sharded_form(tiny_mnist, tmp_path, after_epoch_1):
-    """One line, exit 2, before training: what cannot work with a DCP folder."""
+    """One line, exit 2, before training: what cannot work with a DCP folder; a filesystem
+    without links (its os.symlink failing as FAT's); a model whose whole copies, one per process
+    on this machine (8: torchrun's variables), do not fit the memory available (4 GiB, as
+    /proc/meminfo would say), measured on the meta device; every other case fits."""
     (tmp_path / "file.pt").write_bytes(b"")
     (tmp_path / "empty").mkdir()
     task = tmp_path / "wider.py"
@@ -154,8 +172,19 @@ def test_refusals_of_the_sharded_form(tiny_mnist, tmp_path, after_epoch_1):
     meta = json.loads((changed / "run.json").read_text())
     (changed / "run.json").write_text(json.dumps({**meta, "args": {**meta["args"],
                                                                    "task": str(task)}}))
+    big = tmp_path / "big.py"  # 440 million weights more: 1.6 GiB in fp32
+    big.write_text("import torch.nn as nn\nimport common\n\n\ndef make_model(args):\n"
+                   "    return nn.Sequential(common.Net(), nn.Linear(10, 40_000_000))\n")
+    eight = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8",
+             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     base = ["--data-dir", str(tiny_mnist), "--batch-size", "48", "--epochs", "2"]
     cases = {
+        "--checkpoint " + str(tmp_path / "new") + ": torchrun_fsdp.py's checkpoint is a link "
+        "replaced by a rename, which its filesystem refuses (Operation not permitted); give a "
+        "path on another one": ["--checkpoint", str(tmp_path / "new")],
+        "each of the 8 processes on this machine builds the whole model (1.6 GiB) in host memory "
+        "before sharding it: 13.1 GiB, and 4.0 GiB is available; start fewer per machine "
+        "(--nproc-per-node), or see docs/fsdp.md": ["--task", str(big), "--env", "eight"],
         "--save-on-each-node": ["--save-on-each-node", "--checkpoint", str(tmp_path / "s")],
         "is a file; give a folder path": ["--checkpoint", str(tmp_path / "file.pt")],
         f"{after_epoch_1} is the checkpoint of another run: --lr 0.01 in the checkpoint, 0.02 "
@@ -165,11 +194,14 @@ def test_refusals_of_the_sharded_form(tiny_mnist, tmp_path, after_epoch_1):
         "is not a checkpoint of torchrun_fsdp.py (run.json: No such file or directory)":
             ["--checkpoint", str(tmp_path / "empty")],
     }
-    results = run_mains(SCRIPT, [{"argv": base + argv, "env": {}} for argv in cases.values()])
+    results = run_mains(SCRIPT, [{"argv": base + argv[:-2], "env": eight} if "eight" in argv else
+                                 {"argv": base + argv, "env": {}} for argv in cases.values()],
+                        DDP_TEST_NO_SYMLINKS=1, DDP_TEST_MEM_AVAILABLE=4 * 2**30)
     for said, r in zip(cases, results):
         assert r["code"] == 2 and not r["started"], (said, r)
         [line] = r["stderr"].strip().splitlines()
-        assert line.startswith("error: ") and said in line, (said, line)
+        assert re.match(r"(\[rank 0\] )?error: ", line) and said in line, (said, line)
+    assert not list(tmp_path.glob("new*")), list(tmp_path.iterdir())  # no probe left
 
 
 @pytest.mark.slow

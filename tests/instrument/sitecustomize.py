@@ -22,6 +22,12 @@ changes none of their results:
                         ("unknown": it reports nothing, as where torch cannot tell)
   DDP_TEST_NOT_LINUX=1  a stand-in for macOS and Windows: os.sched_getaffinity and
                         os.sched_setaffinity are gone and /proc cannot be read
+  DDP_TEST_MEM_AVAILABLE=BYTES
+                        /proc/meminfo says that BYTES of memory are available (a machine with
+                        less memory), and nothing else
+  DDP_TEST_NO_SYMLINKS=1
+                        os.symlink fails with EPERM, as on a filesystem without links (FAT, some
+                        SMB and FUSE mounts)
   DDP_TEST_NO_CHECK=1   common.evaluate(..., batches=1) does nothing: the scripts without the
                         test batch they evaluate before training, to show that it leaves no trace
   DDP_TEST_NO_STOP=1    sigterm.StopSignal never stops the run and runs no all-reduce: the
@@ -92,6 +98,24 @@ if os.environ.get("DDP_TEST_NOT_LINUX"):
             raise FileNotFoundError(2, "No such file or directory (no /proc here)", file)
         return _open(file, *args, **kwargs)
     builtins.open = _open_without_proc
+
+if os.environ.get("DDP_TEST_MEM_AVAILABLE"):
+    import builtins
+    import io
+    _real_open = builtins.open
+
+    def _open_meminfo(file, *args, **kwargs):
+        if isinstance(file, str) and file == "/proc/meminfo":
+            return io.StringIO(f"MemAvailable: {int(os.environ['DDP_TEST_MEM_AVAILABLE']) // 1024}"
+                               " kB\n")
+        return _real_open(file, *args, **kwargs)
+    builtins.open = _open_meminfo
+
+if os.environ.get("DDP_TEST_NO_SYMLINKS"):
+    def _no_symlink(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+    os.symlink = _no_symlink
+
 
 def _patch_module(name, patch):
     """Calls patch(module) once the script has imported the module `name` of the repository
