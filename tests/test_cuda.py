@@ -330,10 +330,16 @@ def test_fsdp_trains_resumes_and_converts_on_gpus(amp, nproc, tiny_mnist, tmp_pa
     common.py's model loads. One process shards nothing but runs every path but the gathers."""
     flags = ("--epochs", 2, "--checkpoint", tmp_path / "snap", "--metrics", tmp_path / "m.jsonl")
     launch("torchrun_fsdp.py", nproc, tiny_mnist, *flags, "--stop-after", 1, amp=amp)
-    r = launch("torchrun_fsdp.py", nproc, tiny_mnist, *flags, amp=amp)
+    rec = record_dir(tmp_path)
+    r = launch("torchrun_fsdp.py", nproc, tiny_mnist, *flags, amp=amp, DDP_TEST_GPU_RECORD=rec)
     assert "backend nccl, device cuda" in r.stdout and "1 epoch(s) + 0 step(s)" in r.stdout
     assert [row["epoch"] for row in read_metrics(tmp_path / "m.jsonl")] == [1, 2]
     common.Net().load_state_dict(conftest.load(tmp_path / "snap")["model"])  # strict
+    for w in workers(rec):  # what the lease reports: the dtypes the policy computed in, and
+        print(f"rank {w['rank']} --amp {amp}: peak {max(w['max_allocated']) / 2**20:.1f} MiB; "
+              f"outputs {w['outputs']}")  # the peak memory (torch.cuda.max_memory_allocated)
+        dtype = {"none": "float32", "bf16": "bfloat16"}[amp]
+        assert f"{CONV} {dtype}" in w["outputs"], w["outputs"]
 
 
 @pytest.mark.parametrize("script", ["torchrun_ddp.py", "apex_ddp.py"])
@@ -390,6 +396,34 @@ def test_cpu_checkpoint_evaluates_and_resumes_on_a_gpu(evaluator, tiny_mnist, tm
            "--metrics", metrics)
     assert_trained(metrics, 2, 1)  # epoch 1 on the CPU, epoch 2 on the GPU
     assert assert_plain_checkpoint(ckpt, "cuda:0")["epoch"] == 2
+
+
+def test_spawn_takes_the_visible_gpus_only(tiny_mnist, tmp_path):
+    """CUDA_VISIBLE_DEVICES chooses the GPUs (docs/clusters.md#choosing-gpus): with the last GPU
+    alone visible, spawn_ddp.py's default starts one process, on it; with none visible, it
+    trains on the CPU over gloo. (Issue 60; written without a GPU.)"""
+    rec = record_dir(tmp_path)
+    r = run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 64, "--epochs", 1,
+                   "--amp", "none", timeout=300, CUDA_VISIBLE_DEVICES=str(GPUS - 1),
+                   DDP_TEST_GPU_RECORD=rec)
+    assert "1 processes" in r.stdout and "backend nccl, device cuda" in r.stdout, r.stdout
+    [w] = workers(rec)
+    assert (w["device"], w["contexts"]) == (0, [True]), w  # the one it sees: GPU GPUS-1
+    r = run_script("spawn_ddp.py", "--data-dir", tiny_mnist, "--batch-size", 64, "--epochs", 1,
+                   "--nproc-per-node", 2, timeout=300, CUDA_VISIBLE_DEVICES="")
+    assert "backend gloo, device cpu" in r.stdout, r.stdout
+
+
+def test_deterministic_runs_are_bit_identical_on_a_gpu(tiny_mnist, tmp_path):
+    """--deterministic on CUDA (docs/training.md#--deterministic): torch's deterministic
+    algorithms (it raises for an op that has none), cuDNN's deterministic kernels, no
+    autotuning, cuBLAS's workspace: the same command twice gives the same weights, bit for bit,
+    through convolutions, BatchNorm and dropout. (Issue 60; written without a GPU.)"""
+    for name in ("a", "b"):
+        launch("spawn_ddp.py", 1, tiny_mnist, "--epochs", 1, "--deterministic", "--checkpoint",
+               tmp_path / f"{name}.pt")
+    a, b = (load_on_cpu(tmp_path / f"{n}.pt")["model"] for n in "ab")
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
 # ---- one GPU per process -----------------------------------------------------------------------

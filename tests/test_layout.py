@@ -3,8 +3,11 @@ the top, the machinery in one package whose modules import only those below them
 handled in one module, and a copy of one script, common.py and the package that trains inside
 a project whose own packages have the names a copy would otherwise collide with."""
 import ast
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -110,3 +113,22 @@ def test_a_copy_trains_in_a_project_with_packages_of_common_names(tiny_mnist, tm
                **threads(script))
     [row] = read_metrics(project / "m.jsonl")
     assert row["world_size"] == 2 and row["total"] > 0
+
+
+def test_the_gpu_lease_dry_run_lists_its_work(tmp_path):
+    """tests/gpu_lease.sh on a machine without a GPU: exit 0, naming the cuda tests one GPU
+    would run (the one-GPU and two-GPU halves) and every case of tests/nccl_probe.py on both
+    NCCL engines, and starting none of them (a lease is too scarce to find a typo in)."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").symlink_to(sys.executable)  # the suite's interpreter
+    path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    r = subprocess.run(["bash", "tests/gpu_lease.sh"], cwd=ROOT, text=True, capture_output=True,
+                       timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PATH": path,
+                                         "OUT": str(tmp_path / "out")})
+    assert r.returncode == 0 and r.stdout.startswith("no GPU here: a dry run"), r.stdout + r.stderr
+    for name in ("test_cuda.py::test_deterministic_runs_are_bit_identical_on_a_gpu",
+                 "test_cuda.py::test_no_process_but_rank_r_uses_gpu_r[spawn_ddp.py]",
+                 *(f"[{e}] {c}: " for e in ("default", "legacy")
+                   for c in ("before", "after", "cost", "leave", "recorder"))):
+        assert name in r.stdout, (name, r.stdout)
+    assert not list((tmp_path / "out").iterdir())  # no log: nothing ran

@@ -305,3 +305,17 @@ def check_script_args(script, args):
         assert r["code"] == 0 and "usage:" in r["stdout"] and not r["stderr"], f"{script} {' '.join(args)}: {r['stderr']}"
         return
     assert r["started"] and r["code"] == 0, f"{script} {' '.join(args)}: {r['stderr']}"
+
+
+def test_the_cuda_tests_needing_two_gpus_are_listed():
+    """docs/maintainers.md names the `cuda` tests that skip on one GPU, and those that run at
+    1 GPU and again at 2, as tests/test_cuda.py marks them (two_gpus)."""
+    src = (ROOT / "tests" / "test_cuda.py").read_text()
+    decorated = re.findall(r"((?:^@.*\n(?:^ .*\n)*)+)def (test_\w+)", src, re.M)
+    two = {name for above, name in decorated if "@two_gpus" in above}
+    both = {name for above, name in decorated if "marks=two_gpus" in above}
+    doc = (ROOT / "docs" / "maintainers.md").read_text()
+    listed = {kind: set(re.findall(r"`(test_\w+)`", doc[doc.index(f"- **{kind}"):].split(
+        "\n- ")[0].split("\n\n")[0])) for kind in ("At 1 GPU, and again at 2", "Two GPUs only")}
+    assert (listed["At 1 GPU, and again at 2"], listed["Two GPUs only"]) == (both, two)
+    assert len(two) >= 10 and len(both) >= 5  # (the patterns still find them)
