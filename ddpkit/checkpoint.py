@@ -114,7 +114,7 @@ def save_sharded(model, optimizer, scheduler, scaler, epoch, step, args):
                 if old.startswith(base) and ours.fullmatch(old[len(base):]) and \
                         old != os.path.basename(folder):  # unfinished ones, and links
                     old = os.path.join(os.path.dirname(path), old)
-                    os.remove(old) if os.path.islink(old) else shutil.rmtree(old)
+                    os.remove(old) if os.path.islink(old) else shutil.rmtree(old, True)
     except (OSError, CheckpointException) as e:  # DCP's (a BaseException): every process's
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
         if isinstance(cause, OSError):

@@ -6,8 +6,8 @@
 # older torch has one engine), and tests/nccl_probe.py (about a minute an engine) after the
 # default engine's. With FULL=1, for a lease that has time: real apex (APEX_SRC, a build of
 # about a minute) and one full-MNIST run (MNIST). From the repository's root on the GPU
-# machine, whose python3 has torch and pytest
-# (pytest-xdist and pytest-timeout are used where it has them):
+# machine, whose python3 has torch and pytest (pytest-xdist and pytest-timeout are used where
+# it has them):
 #   OUT=DIR bash tests/gpu_lease.sh
 #   FULL=1 MNIST=DIR (holding MNIST/raw) APEX_SRC=apex-25.05.tar.gz OUT=DIR bash tests/gpu_lease.sh
 # On a machine without a GPU it is a dry run: it lists what it would run, and exits 0.

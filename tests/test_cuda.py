@@ -418,7 +418,8 @@ def test_deterministic_runs_are_bit_identical_on_a_gpu(tiny_mnist, tmp_path):
     """--deterministic on CUDA (docs/training.md#--deterministic): torch's deterministic
     algorithms (it raises for an op that has none), cuDNN's deterministic kernels, no
     autotuning, cuBLAS's workspace: the same command twice gives the same weights, bit for bit,
-    through convolutions, BatchNorm and dropout. (Issue 60; written without a GPU.)"""
+    through convolutions, max-pooling, BatchNorm and the loss. (Issue 60; written without a
+    GPU: whether an op of these raises for want of a deterministic kernel is what it shows.)"""
     for name in ("a", "b"):
         launch("spawn_ddp.py", 1, tiny_mnist, "--epochs", 1, "--deterministic", "--checkpoint",
                tmp_path / f"{name}.pt")

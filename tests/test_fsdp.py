@@ -178,13 +178,14 @@ def test_refusals_of_the_sharded_form(tiny_mnist, tmp_path, after_epoch_1):
     eight = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8",
              "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     base = ["--data-dir", str(tiny_mnist), "--batch-size", "48", "--epochs", "2"]
+    memory = ("each of the 8 processes on this machine builds the whole model (1.6 GiB) in host "
+              "memory before sharding it: 13.1 GiB, and 4.0 GiB is available; start fewer per "
+              "machine (--nproc-per-node), or see docs/fsdp.md")
     cases = {
         "--checkpoint " + str(tmp_path / "new") + ": torchrun_fsdp.py's checkpoint is a link "
         "replaced by a rename, which its filesystem refuses (Operation not permitted); give a "
         "path on another one": ["--checkpoint", str(tmp_path / "new")],
-        "each of the 8 processes on this machine builds the whole model (1.6 GiB) in host memory "
-        "before sharding it: 13.1 GiB, and 4.0 GiB is available; start fewer per machine "
-        "(--nproc-per-node), or see docs/fsdp.md": ["--task", str(big), "--env", "eight"],
+        memory: ["--task", str(big)],
         "--save-on-each-node": ["--save-on-each-node", "--checkpoint", str(tmp_path / "s")],
         "is a file; give a folder path": ["--checkpoint", str(tmp_path / "file.pt")],
         f"{after_epoch_1} is the checkpoint of another run: --lr 0.01 in the checkpoint, 0.02 "
@@ -194,8 +195,8 @@ def test_refusals_of_the_sharded_form(tiny_mnist, tmp_path, after_epoch_1):
         "is not a checkpoint of torchrun_fsdp.py (run.json: No such file or directory)":
             ["--checkpoint", str(tmp_path / "empty")],
     }
-    results = run_mains(SCRIPT, [{"argv": base + argv[:-2], "env": eight} if "eight" in argv else
-                                 {"argv": base + argv, "env": {}} for argv in cases.values()],
+    results = run_mains(SCRIPT, [{"argv": base + argv, "env": eight if said == memory else {}}
+                                 for said, argv in cases.items()],
                         DDP_TEST_NO_SYMLINKS=1, DDP_TEST_MEM_AVAILABLE=4 * 2**30)
     for said, r in zip(cases, results):
         assert r["code"] == 2 and not r["started"], (said, r)
