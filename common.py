@@ -11,11 +11,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 # Imported before any process group exists, on purpose (the lesson's and the scripts' processes
-# import this file first): it binds `group.WORLD` as a default argument when first imported.
-# DDP's constructor imports it (through torch._dynamo), and so does torchvision; imported after
-# init_process_group, it pins the live group, destroy_process_group cannot free it, and gloo's
-# threads run on into interpreter shutdown, where they can abort the process (exit -6).
-# tests/test_shutdown.py.
+# import this file first): it binds `group.WORLD` as a default argument. DDP's constructor and
+# torchvision import it; imported after init_process_group, it pins the live group, which
+# destroy_process_group then cannot free, and gloo's threads run on into interpreter shutdown,
+# where they can abort the process (exit -6). tests/test_shutdown.py.
 import torch.distributed.nn  # noqa: F401
 import torch.nn as nn
 import torch.nn.functional as F
@@ -254,6 +253,15 @@ def reduce_tensor(t):
     recent.append(t)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t / dist.get_world_size()
+
+
+def gather(row, device):
+    """Every process's `row` of numbers, by rank: one all-gather (a tensor: nothing unpickled)."""
+    mine = torch.tensor(row, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    recent.extend([mine, *everyone])
+    dist.all_gather(everyone, mine)
+    return torch.stack(everyone).tolist()
 
 
 @torch.no_grad()

@@ -109,11 +109,11 @@ def save_sharded(model, optimizer, scheduler, scaler, epoch, step, args):
             link = f"{path}.{secrets.token_hex(4)}.tmp"
             os.symlink(os.path.basename(folder), link)
             os.replace(link, path)
-            base, ours = os.path.basename(path), re.compile(r"\.([01]|[0-9a-f]{8})(\.tmp)?")
-            for old in os.listdir(os.path.dirname(os.path.abspath(path))):  # older snapshots,
-                if old.startswith(base) and ours.fullmatch(old[len(base):]) and \
-                        old != os.path.basename(folder):  # unfinished ones, and links
-                    old = os.path.join(os.path.dirname(path), old)
+            parent, base = os.path.split(os.path.abspath(path))
+            ours = re.compile(re.escape(base) + r"\.([01]|[0-9a-f]{8})(\.tmp)?")
+            for old in os.listdir(parent):  # older snapshots, unfinished ones, and links
+                old = os.path.join(parent, old)
+                if ours.fullmatch(os.path.basename(old)) and old != os.path.abspath(folder):
                     os.remove(old) if os.path.islink(old) else shutil.rmtree(old, True)
     except (OSError, CheckpointException) as e:  # DCP's (a BaseException): every process's
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
@@ -241,18 +241,20 @@ def stat(path):
     return s.st_ino, s.st_mtime_ns, s.st_size
 
 
-def check_file(args, task, place, keep=False):
+def check_file(args, task, place, keep=False, model=None):
     """Before the processes meet (flags.check_args), the checkpoint to resume or evaluate is read,
     compared with this run and fitted to the model's shapes on the meta device (no memory, no
     data). Absent, it is refused on one machine; on several, another node may hold it. `keep`:
-    this process trains, and `agreed` takes what was read unless the file changed since."""
+    this process trains, and `agreed` takes what was read unless the file changed since. `model`:
+    the task's, on the meta device, where the caller built it already."""
     path = args.checkpoint
     if not os.path.exists(path):
         if (args.resume or args.evaluate) and place.nproc == place.world_size:
             raise Fatal(f"no checkpoint at {path}")
         return
-    with torch.device("meta"):
-        model = task.make_model(args)
+    if model is None:
+        with torch.device("meta"):
+            model = task.make_model(args)
     ckpt = load(path)
     if keep:
         READ[path] = stat(path), ckpt
@@ -279,12 +281,8 @@ def agreed(args, wish, place, device, log=print):
     fast = machine.computes_bf16(device.index if device.type == "cuda" else None)[0] is True
     everyone = [(wish, *((ckpt["epoch"], ckpt.get("step", 0)) if ckpt else (-1, -1)),
                  place.node, run, fast)]
-    if dist.is_initialized():  # tensors, not all_gather_object: nothing unpickled from others
-        mine = torch.tensor(everyone[0], device=device)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        common.recent.extend([mine, *gathered])
-        dist.all_gather(gathered, mine)
-        everyone = torch.stack(gathered).tolist()  # one wait for the device
+    if dist.is_initialized():
+        everyone = common.gather(everyone[0], device)
     other = [str(r) for r, e in enumerate(everyone) if e[4] != everyone[0][4]]
     if other:
         raise Fatal(f"the processes of rank(s) {', '.join(other)} were started with other flags "

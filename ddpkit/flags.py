@@ -228,9 +228,14 @@ def check_args(args, task, place=None, elastic=False, cuda=None, sharded=False):
             and os.path.exists(args.checkpoint):  # (torchrun's resume it, if it is their run's)
         raise Fatal(f"--checkpoint {args.checkpoint} exists: add --resume to continue its run, "
                     "or give another path to start a new one")
+    model = None
+    if sharded:  # FSDP: every process of a machine builds the whole model before sharding it
+        with torch.device("meta"):  # its shapes, no memory: for this check and check_file's
+            model = task.make_model(args)
+        machine.check_host_memory(model, place.nproc)
     if args.checkpoint and (args.evaluate or args.resume or elastic):
         checkpoint.check_file(args, task, place,  # it is this run's, and fits the model; a
-                              keep=not spawns)  # process that trains keeps what it read
+                              keep=not spawns, model=model)  # process that trains keeps it
     if place.local_rank == 0:  # --amp auto: decided once the job has met (checkpoint.agreed)
         machine.warn_if_slower(args.amp, gpu if cuda else None)
     if getattr(args, "master_port", None) and node_rank == 0:  # node 0 hosts the store there
@@ -266,5 +271,3 @@ def check_args(args, task, place=None, elastic=False, cuda=None, sharded=False):
             raise Fatal(f"{flag} {path}: cannot write in {folder} ({e.strerror})") from None
     if sharded and writes and args.checkpoint and not args.evaluate:
         checkpoint.check_links(args.checkpoint)
-    if sharded:  # (FSDP: before any process builds the model whole)
-        machine.check_host_memory(task, args, place.nproc)

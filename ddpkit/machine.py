@@ -115,17 +115,15 @@ def deterministic(on):
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
-def check_host_memory(task, args, nproc):
+def check_host_memory(model, nproc):
     """FSDP: every process builds the whole model in host memory before it shards it, `nproc`
     copies at once on this machine. Where they cannot fit what Linux says is available, a line
-    now (the model measured on the meta device: no memory), not the kernel's OOM killer later."""
+    now (`model` is on the meta device: its sizes without memory), not the OOM killer later."""
     try:
         with open("/proc/meminfo") as f:
             free = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
     except (OSError, StopIteration):  # not Linux
         return
-    with torch.device("meta"):
-        model = task.make_model(args)
     need = sum(t.nbytes for t in model.state_dict().values())
     if need * nproc > free:
         raise Fatal(f"each of the {nproc} processes on this machine builds the whole model "

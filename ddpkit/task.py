@@ -10,7 +10,6 @@ import types
 import warnings
 
 import torch
-import torch.distributed as dist
 
 import common
 from common import Fatal
@@ -109,13 +108,8 @@ def same_weights(model, device):
     file of its own) would train a patchwork. One all-gather of two numbers (the sum and the sum
     of squares of every weight) finds it, and names the processes, before anything trains."""
     tensors = [t for t in model.state_dict().values() if t.is_floating_point() and not t.is_meta]
-    mine = torch.tensor([sum(t.sum(dtype=torch.float64).item() for t in tensors), sum(
-        torch.linalg.vector_norm(t, dtype=torch.float64).item() ** 2 for t in tensors)],
-        device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    common.recent.extend([mine, *gathered])  # referenced past the collective (common.recent)
-    dist.all_gather(gathered, mine)
-    everyone = torch.stack(gathered).tolist()  # one wait for the device, as checkpoint.agreed
+    everyone = common.gather([sum(t.sum(dtype=torch.float64).item() for t in tensors), sum(
+        torch.linalg.vector_norm(t, dtype=torch.float64).item() ** 2 for t in tensors)], device)
     other = [str(r) for r, e in enumerate(everyone) if e != everyone[0]]
     if other:
         raise Fatal(f"make_model built other weights in rank(s) {', '.join(other)} than in rank "
