@@ -62,10 +62,15 @@ def torchrun_place():
 GLOO_LOST_PEER = ("/gloo/", "Application timeout caused pair closure", "Wait timeout")
 
 
+SAY_LATE = 3  # seconds (clean_exit)
+
+
 @contextlib.contextmanager
 def clean_exit(place=Place()):
     """Every ending as one line on stderr, after the process's rank: exit code 2 for bad input
-    (refused alike by every process of a node, said by its first alone), 1 for a lost peer or an
+    (refused alike by every process of a node: said by its first at once, by another only if it
+    is still there SAY_LATE seconds later: torchrun's agent and spawn's launcher end the others
+    when one exits, and the first may be late, or gone already), 1 for a lost peer or an
     error in the code (a bug in the task, CUDA out of memory; its frames follow), 130 for Ctrl-C,
     143 after a SIGTERM. A process that leaves on an error of its own leaves its process group
     first (`leave_group`), so that the others fail at once instead of waiting out --timeout."""
@@ -75,7 +80,8 @@ def clean_exit(place=Place()):
     except Fatal as e:  # bad input, a SIGTERM (sigterm.Preempted)
         line, code = str(e) and f"{e.says}: {e}", e.code
         if code == Fatal.code and place.local_rank != 0:
-            line = ""  # its node's first process says it
+            sigterm.default()  # its node's first process says it, and this one is ended
+            time.sleep(SAY_LATE)
     except KeyboardInterrupt:
         line, code = "interrupted", 130
     except Exception as e:
@@ -96,14 +102,15 @@ def clean_exit(place=Place()):
 
 def end(code):
     """The process's end, without the interpreter's finalization: gloo's threads outlive
-    destroy_process_group (the model still holds the group), and one that frees a collective's
-    tensors once Python finalizes aborts the process ("terminate called without an active
-    exception", exit -6: 3 FSDP runs in 27 here; pytorch/pytorch#190489, Python before 3.14:
-    python/cpython#87135). What finalization does first still runs: other threads finish, the
-    atexit functions (data workers, logging) run, and the output is flushed."""
-    for thread in threading.enumerate():
-        if not thread.daemon and thread is not threading.current_thread():
-            thread.join()
+    destroy_process_group where something still holds the group (after fully_shard, DTensor's
+    caches keep its DeviceMesh), and one that frees a collective's tensors once Python finalizes
+    aborts the process ("terminate called without an active exception", exit -6: 3 FSDP runs in
+    27 here; pytorch/pytorch#190489, Python before 3.14: python/cpython#87135). What Python's
+    exit does before that still runs, in its order: threading's exit hooks, where
+    concurrent.futures stops its idle pool workers (an inductor compile's, a task's reader:
+    joined without them, such a worker waits forever), then the other threads finish, the atexit
+    functions run (data workers, logging), and the output is flushed."""
+    threading._shutdown()  # what the interpreter's exit calls first (CPython 3.8 to 3.14)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -291,7 +298,7 @@ def worker(local_rank, train, args, private):
 def join(workers, args, say_within=5, grace=30):
     """spawn_ddp.py's launcher: waits for its processes and ends as the first that failed, with
     its exit code, adding nothing to what it said. The others get `say_within` seconds to end by
-    themselves (bad input ends them all, said by their first alone), then SIGTERM, and SIGKILL
+    themselves (none after a refusal, which was said: clean_exit), then SIGTERM, and SIGKILL
     `grace` s later: one stuck in a collective ignores a SIGTERM (sigterm.StopSignal). A
     SIGTERM to the launcher alone (`kill PID`) goes on to them (sigterm.forward)."""
     processes = workers.processes
@@ -302,6 +309,8 @@ def join(workers, args, say_within=5, grace=30):
             connection.wait([p.sentinel for p in alive])  # until one of them ends
             alive = [p for p in processes if p.is_alive()]
         failed = next((i for i, p in enumerate(processes) if p.exitcode), None)
+        if failed is not None and processes[failed].exitcode == Fatal.code:
+            say_within = 0  # refused, and said (clean_exit): the others would say it again
         for seconds, end in ((say_within, "terminate"), (grace, "kill")):
             deadline = time.monotonic() + seconds
             [p.join(max(0, deadline - time.monotonic())) for p in processes]

@@ -74,7 +74,13 @@ class StopSignal:
                          f"{checkpoint}: {again}" * (self.rank == 0))
 
     def close(self):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        default()
+
+
+def default():
+    """SIGTERM's default action again: it ends the process at once, where it waits for nothing
+    (the training is over, or a process waits to say a refusal that another may say first)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # ---- The data workers: a SIGTERM to the whole job reaches them too --------------------------

@@ -81,31 +81,41 @@ def shared(tmp_path_factory):
     """once(name, make): make(folder) runs once in the session, in whichever test process asks
     first, under a file lock; every other test, in any process, gets the folder it filled.
     Under pytest-xdist the folder is in the one the workers' temporary folders share. A make
-    that fails leaves nothing, and the next test to ask tries again."""
+    that fails is not run again: it and every test that asks after it fail with its error and
+    the end of each launch's stderr (`keep`), where the cause is (a traceback in the script)."""
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
     root.mkdir(exist_ok=True)
 
     def once(name, make):
-        d = root / name
+        d, failed = root / name, root / f"{name}.failed"
         with FileLock(f"{d}.lock"):
-            if not (d / "done").exists():
-                shutil.rmtree(d, ignore_errors=True)  # a run that failed half-way
+            if not failed.exists() and not (d / "done").exists():
+                shutil.rmtree(d, ignore_errors=True)
                 (d / "rec").mkdir(parents=True)
-                make(d)
-                (d / "done").touch()
+                try:
+                    make(d)
+                    (d / "done").touch()
+                except (Exception, pytest.fail.Exception) as e:
+                    said = "".join(f"\n--- its launch {f.stem} exited {k.returncode}; stderr ends:\n"
+                                   + "\n".join(k.stderr.splitlines()[-25:])
+                                   for f in sorted(d.glob("*.launch")) for k in [kept(d, f.stem)])
+                    failed.write_text(f"the shared run {name} failed: {type(e).__name__}: "
+                                      f"{str(e)[-3000:]}{said}")
+        if failed.exists():
+            pytest.fail(failed.read_text(), pytrace=False)
         return d
     return once
 
 
 def keep(d, name, result):
     """A finished launch's exit code and output, as a shared run's file."""
-    (d / f"{name}.json").write_text(json.dumps(
+    (d / f"{name}.launch").write_text(json.dumps(
         {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}))
 
 
 def kept(d, name):
-    return subprocess.CompletedProcess([], **json.loads((d / f"{name}.json").read_text()))
+    return subprocess.CompletedProcess([], **json.loads((d / f"{name}.launch").read_text()))
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +146,7 @@ PREEMPTED = {
     "dp_baseline.py": (("--workers", 2), (1, 1)),
 }
 UNDER_TORCHRUN = ("torchrun_ddp.py", "torchrun_fsdp.py", "apex_ddp.py")
+STEP_DELAY = 0.1  # seconds: the least a step of the stopped run takes (DDP_TEST_STEP_DELAY)
 # spawn_ddp.py's first run: rank 0's CPU computes bfloat16, rank 1's does not (tests/instrument),
 # and the modules' output dtypes are recorded: --amp auto picks fp32 for the whole job
 # (test_cluster_safety.py's test_one_precision_for_the_whole_job)
@@ -147,7 +158,9 @@ STOPPED_ENV = {"spawn_ddp.py": {"DDP_TEST_CPU_FEATURES": "avx512_bf16=1,amx_bf16
 def preempted(tiny_mnist, shared):
     """preempted(script): its run stopped by SIGTERM to every process of the job, data workers
     too (as SLURM and torchrun send it), once rank 0 logged step 5 of epoch 1, and the same
-    command again (with --resume where the script does not resume by itself). A folder with:
+    command again (with --resume where the script does not resume by itself); in both, every
+    process keeps an idle thread-pool worker, as a task's data reader leaves one
+    (DDP_TEST_THREAD_POOL), and must end by itself all the same. A folder with:
     their outputs (`kept(d, "stopped")`, `kept(d, "resumed")`), the snapshot's position and the
     files beside it then (`snapshot.json`), the final checkpoint (`c.pt`, or `snap` and its
     `converted.pt`), the resumed run's metrics (`m.jsonl`), both runs' curves (`tb/`,
@@ -165,9 +178,9 @@ def preempted(tiny_mnist, shared):
                           "--tensorboard", d / "tb")
             (d / "rec1").mkdir()
             threads_of = {} if torchrun else threads(script)  # torchrun's: 1, unasked
-            env = script_env(record=d / "rec1", block="apex", DDP_TEST_STEP_DELAY=0.1,
-                             DDP_TEST_GPU_RECORD=d / "rec1", **threads_of,
-                             **STOPPED_ENV.get(script, {}))
+            env = script_env(record=d / "rec1", block="apex", DDP_TEST_STEP_DELAY=STEP_DELAY,
+                             DDP_TEST_GPU_RECORD=d / "rec1", DDP_TEST_THREAD_POOL=1,
+                             **threads_of, **STOPPED_ENV.get(script, {}))
             keep(d, "stopped", sigterm_when(cmd, "epoch 1/2 step 5/", env))
             position = json.loads((ckpt / "run.json").read_text()) if ckpt.is_dir() else \
                 torch.load(ckpt, weights_only=True)
@@ -176,7 +189,8 @@ def preempted(tiny_mnist, shared):
                     p.name for p in d.iterdir() if p.name.startswith(ckpt.name))}))
             resume = [] if torchrun else ["--resume"]  # torchrun's scripts resume by themselves
             keep(d, "resumed", together([cmd + resume], timeout=240, record=d / "rec", block="apex",
-                                        DDP_TEST_ALLREDUCE_LOG=d / "rec", **threads_of)[0])
+                                        DDP_TEST_ALLREDUCE_LOG=d / "rec", DDP_TEST_THREAD_POOL=1,
+                                        **threads_of)[0])
             if ckpt.is_dir():  # as torch's converter makes it one file, once
                 torch.save(load(ckpt), d / "converted.pt")
         return shared(f"preempted-{script}", make)
@@ -304,7 +318,7 @@ def run_script(script, *args, timeout=120, record=None, block=None, check=True, 
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_all(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"{script} {' '.join(map(str, args))} hung for {timeout}s\n{out}\n{err}")
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -336,6 +350,18 @@ def assert_no_deprecation_warnings(text, allow=None):
         assert "FutureWarning" not in line and "DeprecationWarning" not in line, line
 
 
+def our_frames(text):
+    """The traceback frames in `text` of the repository's own files (not of a .venv in it)."""
+    return re.findall(rf'File "{re.escape(str(ROOT))}/(?!\.venv/)[^"]*"', text)
+
+
+def repo_files(pattern):
+    """The repository's files that match `pattern`, without .git and a .venv in the checkout
+    (the README makes one there)."""
+    return sorted(p for p in ROOT.rglob(pattern)
+                  if not {".git", ".venv"} & set(p.relative_to(ROOT).parts))
+
+
 def read_metrics(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
@@ -356,7 +382,7 @@ class Watched:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.pid = proc.pid
-        killer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        killer = threading.Timer(timeout, lambda: kill_all(proc.pid))
         killer.start()
         try:
             for line in proc.stdout:
@@ -367,7 +393,7 @@ class Watched:
         finally:
             killer.cancel()
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_all(proc.pid)
                 proc.wait()
         self.seconds = time.monotonic() - start
         self.text = "\n".join(line for _, line in self.lines)
@@ -539,7 +565,7 @@ def process_group(cmd, env, cwd=ROOT):
         yield proc
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_all(proc.pid)
             proc.communicate()
 
 
@@ -551,11 +577,36 @@ def together(cmds, cwd=lambda n: ROOT, env=lambda n: {}, timeout=180, **common_e
                               env=script_env(**{**common_env, **env(n)}), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, start_new_session=True)
              for n, cmd in enumerate(cmds)]
+    deadline, outs = time.monotonic() + timeout, []
     try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        for p in procs:
+            outs.append(ended(p, max(0.0, deadline - time.monotonic())))
     finally:
-        [os.killpg(p.pid, signal.SIGKILL) for p in procs if p.poll() is None]
+        [kill_all(p.pid) for p in procs if p.poll() is None]
     return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+
+
+def ended(proc, timeout):
+    """(stdout, stderr) of `proc` (a process group of its own) once it has ended, or, killed
+    with its group after `timeout` s, what it wrote until then: a run that never ends shows
+    how far it got (its returncode is then -9)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_all(proc.pid)
+        out, err = proc.communicate()
+        return out, f"{err}\n(test: killed, still running after {timeout:.0f} s)"
+
+
+def kill_all(pid):
+    """SIGKILL to `pid`'s process group and to every process under it: torchrun's workers are
+    in sessions of their own, and would outlive their agent (holding the pipes a test reads)."""
+    pids = family(pid)  # before: an orphan is no longer found under the agent
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
 
 
 def spawn_nodes(flags, nodes=2, **kw):
@@ -579,7 +630,7 @@ def sigterm_when(cmd, line_start, env, cwd=ROOT, timeout=180, alone=False):
             if line.startswith(line_start):
                 break
         os.kill(proc.pid, signal.SIGTERM) if alone else os.killpg(proc.pid, signal.SIGTERM)
-        rest, err = proc.communicate(timeout=timeout)
+        rest, err = ended(proc, timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, "".join(out) + rest, err)
 
 

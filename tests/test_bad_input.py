@@ -275,6 +275,24 @@ def test_unwritable_checkpoint_fails_before_training(tiny_mnist, script):
     assert_error_line(r, "--checkpoint /proc/x/c.pt", "cannot create the folder")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, said", [
+    (("--amp", "off"), "error: argument --amp: invalid choice: 'off'"),
+    (("--checkpoint", "/proc/x/c.pt"), "error: --checkpoint /proc/x/c.pt: cannot create")],
+    ids=["flag", "checkpoint"])
+def test_a_refusal_reaches_the_user_when_the_first_process_is_late(tiny_mnist, flags, said):
+    """Under torchrun every process refuses bad input alike and the node's first says it. Here
+    that one starts 30 s after the other (DDP_TEST_LATE_START: a slow import), so rank 1 refuses
+    first, and torchrun's agent ends rank 0 as soon as rank 1 exits: rank 1's line must reach
+    the user, once. (It was lost: rank 1 said nothing, and rank 0 never got to.)"""
+    r = run_script("torchrun_ddp.py", "--data-dir", tiny_mnist, *flags, nproc=2, check=False,
+                   timeout=120, DDP_TEST_LATE_START=30)
+    lines = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"[rank 1] {said}"), r.stderr
+    assert no_traceback_from_us(r.stderr), r.stderr
+
+
 def test_detail_debug_level_is_refused_on_gloo(tiny_mnist, tmp_path):
     """TORCH_DISTRIBUTED_DEBUG=DETAIL makes DDP's constructor read the wrong object on gloo
     (test_ddp_reads_the_wrong_object_under_detail_on_gloo): a clear line instead of a worker

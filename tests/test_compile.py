@@ -32,13 +32,14 @@ def test_resume_across_compile_and_eager(tiny_mnist, tmp_path, first_epoch, stra
     SIGTERM in its middle: the compiled run's snapshot is a plain common.Net; then the rest of
     epoch 2 resumed without --compile. It ends where the eager run that nothing interrupted ends
     (conftest.straight), up to rounding, and not exactly (the compiled steps ran). Why 40 s:
-    inductor builds the compiled model's C++ in each process."""
+    inductor builds the compiled model's C++ in each process, into a cache of its own, cold as at
+    a user's first --compile (a warm cache skips the compile workers, which once hung the end)."""
     ckpt = tmp_path / "c.pt"
     shutil.copy(first_epoch, ckpt)
     cmd = [sys.executable, str(ROOT / "spawn_ddp.py"), "--data-dir", str(tiny_mnist),
            *map(str, ARGS), "--checkpoint", str(ckpt), "--resume"]
-    r = sigterm_when([*cmd, "--compile"], "epoch 2/2 step 5/", script_env(OMP_NUM_THREADS=1),
-                     timeout=300)
+    cold = script_env(OMP_NUM_THREADS=1, TORCHINDUCTOR_CACHE_DIR=tmp_path / "inductor")
+    r = sigterm_when([*cmd, "--compile"], "epoch 2/2 step 5/", cold, timeout=300)
     assert r.returncode == 143 and "loaded" in r.stdout, r.stderr
     compiled = load(ckpt)
     assert compiled["epoch"] == 1 and compiled["step"] >= 5 and compiled["args"]["compile"]

@@ -1,7 +1,8 @@
 """The repository's shape (docs/maintainers.md#where-things-are): the scripts and common.py at
 the top, the machinery in one package whose modules import only those below them, SIGTERM
-handled in one module, and a copy of one script, common.py and the package that trains inside
-a project whose own packages have the names a copy would otherwise collide with."""
+handled in one module, a copy of one script, common.py and the package that trains inside a
+project whose own packages have the names a copy would otherwise collide with; and the suite's
+own machinery (its shared runs, the GPU lease's dry run)."""
 import ast
 import os
 import re
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, read_metrics, run_script, threads
+from conftest import ROOT, keep, read_metrics, repo_files, run_script, threads
 
 PACKAGE = ROOT / "ddpkit"
 SCRIPTS = {"spawn_ddp", "torchrun_ddp", "dp_baseline", "apex_ddp", "torchrun_fsdp"}
@@ -83,7 +84,7 @@ def test_one_module_handles_sigterm():
     """signal.signal, a signal mask and a wait for a signal appear in ddpkit/sigterm.py alone,
     of every Python file of the repository but its tests."""
     calls = re.compile(r"signal\.(signal|pthread_sigmask|sigwait\w*)\(")
-    files = [p for p in ROOT.rglob("*.py") if "tests" not in p.relative_to(ROOT).parts]
+    files = [p for p in repo_files("*.py") if "tests" not in p.relative_to(ROOT).parts]
     handling = sorted(str(p.relative_to(ROOT)) for p in files if calls.search(p.read_text()))
     assert handling == ["ddpkit/sigterm.py"]
 
@@ -120,7 +121,9 @@ def test_the_gpu_lease_dry_run_lists_its_work(tmp_path):
     would run (the one-GPU and two-GPU halves) and every case of tests/nccl_probe.py on both
     NCCL engines, and starting none of them (a lease is too scarce to find a typo in)."""
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python3").symlink_to(sys.executable)  # the suite's interpreter
+    python3 = tmp_path / "bin" / "python3"  # the suite's interpreter, its venv kept: a link
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # outside a venv is
+    python3.chmod(0o755)  # the base interpreter, without the venv's packages
     path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
     r = subprocess.run(["bash", "tests/gpu_lease.sh"], cwd=ROOT, text=True, capture_output=True,
                        timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PATH": path,
@@ -132,3 +135,23 @@ def test_the_gpu_lease_dry_run_lists_its_work(tmp_path):
                    for c in ("before", "after", "cost", "leave", "recorder"))):
         assert name in r.stdout, (name, r.stdout)
     assert not list((tmp_path / "out").iterdir())  # no log: nothing ran
+
+
+def test_a_shared_run_that_fails_runs_once_and_shows_its_cause(shared):
+    """conftest.shared, the suite's own machinery: a run that fails (here a launch whose script
+    raised a TypeError, then the file it never wrote) is made once, and every test that asks
+    for it fails with that error and the end of its launch's stderr, not only the missing file
+    (a broken stop path once failed 16 tests each with FileNotFoundError, each rerunning it)."""
+    made = []
+
+    def make(d):
+        made.append(d)
+        keep(d, "run", subprocess.CompletedProcess([], 1, "", "Traceback (most recent call "
+                                                   "last):\nTypeError: stop() takes 1 argument"))
+        (d / "c.pt").read_bytes()
+    for _ in range(2):
+        with pytest.raises(pytest.fail.Exception) as failed:
+            shared("fails-on-purpose", make)
+        said = str(failed.value)
+        assert "FileNotFoundError" in said and "TypeError: stop() takes 1 argument" in said, said
+    assert len(made) == 1

@@ -12,7 +12,7 @@ import ast
 
 import pytest
 
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, read_metrics, repo_files, run_script
 
 MODULES = ("common.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "ddpkit").glob("*.py")))
 FILES = (*MODULES, "spawn_ddp.py", "torchrun_ddp.py", "dp_baseline.py", "apex_ddp.py", "bench.py")
@@ -134,7 +134,7 @@ def test_one_process_without_linux_apis(tiny_mnist, tmp_path):
 def test_every_python_file_parses_as_python_3_10():
     """The oldest Python the supported torch releases run on (torch 2.4 supports 3.8 to 3.12;
     the scripts ask for 3.10): no syntax of a later Python in any file of the repo."""
-    files = sorted(p for p in ROOT.rglob("*.py") if ".git" not in p.parts)
+    files = repo_files("*.py")
     assert len(files) > 10
     for path in files:
         ast.parse(path.read_text(), str(path), feature_version=(3, 10))

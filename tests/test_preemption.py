@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from conftest import ROOT, TRAIN, agreements, command, load, process_group, read_records, \
-    script_env, session_processes, sigterm_when, threads
+from conftest import STEP_DELAY, TRAIN, agreements, command, load, our_frames, \
+    process_group, read_records, script_env, session_processes, sigterm_when, threads
+from ddpkit.sigterm import AGREE_EVERY
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +32,8 @@ def job(script, tiny_mnist, ckpt=None):
 def stopped(cmd, alone=False, **env):
     """`cmd`, with steps slowed, given SIGTERM once rank 0 logged step 5: every process of the
     job gets it (as SLURM sends it), or the launcher `alone` (as `kill PID` does)."""
-    return sigterm_when(cmd, "epoch 1/2 step 5/", script_env(DDP_TEST_STEP_DELAY=0.1, **env),
-                        alone=alone, timeout=120)
+    return sigterm_when(cmd, "epoch 1/2 step 5/", script_env(DDP_TEST_STEP_DELAY=STEP_DELAY,
+                                                             **env), alone=alone, timeout=120)
 
 
 @pytest.mark.parametrize("script", ["spawn_ddp.py", "torchrun_ddp.py"])
@@ -42,20 +43,26 @@ def test_sigterm_to_the_launcher_alone_stops_every_process_at_one_step(tiny_mnis
     the processes stop as they do when each gets it (test_smoke.py's
     test_sigterm_saves_where_all_stop_and_resume_is_bit_identical, which also resumes): one
     `preempted:` line, a snapshot in the middle of epoch 1 where all stopped, no temporary file,
-    no traceback of ours; exit code 143 (torchrun's agent: 1, with its SignalException)."""
-    ckpt = tmp_path / "c.pt"
-    r = stopped(job(script, tiny_mnist, ckpt), alone=True, **threads(script))
+    no traceback of ours; exit code 143 in every process (torchrun's agent: 1, with its
+    SignalException, where a crashed worker's is 1 too: the workers' recorded exit codes)."""
+    ckpt, rec = tmp_path / "c.pt", tmp_path / "rec"
+    rec.mkdir()
+    r = stopped(job(script, tiny_mnist, ckpt), alone=True, record=rec, **threads(script))
     torchrun = script == "torchrun_ddp.py"
     assert r.returncode == (1 if torchrun else PREEMPTED), f"{r.stdout}\n{r.stderr}"
+    assert "ChildFailedError" not in r.stderr, r.stderr
+    assert {e["rank"]: e["code"] for e in read_records(rec, "exit")} == {0: 143, 1: 143}
     lines = [ln for ln in r.stderr.splitlines() if "preempted:" in ln]
     assert len(lines) == 1, r.stderr  # rank 0 says it, once
     snap = load(ckpt)
-    assert snap["epoch"] == 0 and snap["step"] >= 5, (snap["epoch"], snap["step"])
+    came = [e["steps"] for e in read_records(rec, "sigterm")]  # steps begun, per process
+    assert snap["epoch"] == 0 and came, (snap, came)  # in epoch 1, at its first agreement after
+    assert min(came) <= snap["step"] <= max(came) + AGREE_EVERY / STEP_DELAY + 1, (snap, came)
     again = "the same command continues from it" if torchrun else "rerun with --resume"
     assert f"after step {snap['step']} of epoch 1; snapshot in {ckpt}: {again}" in lines[0]
     assert "error" not in r.stderr.replace("Traceback", "").lower() or torchrun, r.stderr
-    assert 'File "' + str(ROOT) not in r.stderr, r.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"]
+    assert not our_frames(r.stderr), r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "rec"]
 
 
 def test_sigterm_without_checkpoint_stops_cleanly(tiny_mnist, tmp_path):
@@ -64,7 +71,7 @@ def test_sigterm_without_checkpoint_stops_cleanly(tiny_mnist, tmp_path):
     r = stopped(job("spawn_ddp.py", tiny_mnist), record=tmp_path)
     assert r.returncode == PREEMPTED, r.stderr
     assert "nothing saved (no --checkpoint)" in r.stderr
-    assert 'File "' + str(ROOT) not in r.stderr
+    assert not our_frames(r.stderr)
     assert read_records(tmp_path, "init") and not agreements(tmp_path)
 
 

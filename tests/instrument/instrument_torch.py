@@ -14,6 +14,11 @@ if os.environ.get("DDP_TEST_STEP_DELAY"):
     _delay = float(os.environ["DDP_TEST_STEP_DELAY"])
     register_optimizer_step_pre_hook(lambda *_: time.sleep(_delay))
 
+if os.environ.get("DDP_TEST_THREAD_POOL"):  # a pool's idle worker, as a task's reader leaves one
+    from concurrent.futures import ThreadPoolExecutor
+    _pool = ThreadPoolExecutor(1, thread_name_prefix="task-pool")
+    _pool.submit(int).result()
+
 if os.environ.get("DDP_TEST_FAIL_SAVE"):
     import errno
     import torch
@@ -152,6 +157,14 @@ if RECORD:
             _append("sampler", {"rank": self.rank, "epoch": self.epoch, "indices": indices})
         return iter(indices)
     DistributedSampler.__iter__ = _recording_iter
+    from torch.utils.data import RandomSampler
+    _random_iter = RandomSampler.__iter__
+
+    def _recording_random_iter(self):  # dp_baseline.py's training sampler, in its one process
+        indices = list(_random_iter(self))
+        _append("sampler", {"rank": 0, "epoch": None, "indices": indices})
+        return iter(indices)
+    RandomSampler.__iter__ = _recording_random_iter
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -269,12 +282,35 @@ if RECORD:
                          store.timeout.total_seconds() if store is not None else None})
     dist.init_process_group = _recording_init_pg
 
-    def _record_threads_at_exit():
-        # atexit runs after the script has returned and before the interpreter tears down.
+    def _record_threads_at_exit(then="finalization", code=None):
+        # atexit runs after the script has returned and before the interpreter tears down, where
+        # a gloo thread still running can abort the process; os._exit ends it without that.
         # gloo's threads (named gloo_* / pt_gloo_*) are C++ threads, invisible to `threading`.
         if _ranks:
-            _append("exit", {"rank": _ranks[-1], "threads": _threads()})
+            _append("exit", {"rank": _ranks[-1], "threads": _threads(), "then": then,
+                             "code": code})
     atexit.register(_record_threads_at_exit)
+    _os_exit = os._exit
+
+    def _recording_os_exit(code):
+        _record_threads_at_exit("os._exit", code)
+        _os_exit(code)
+    os._exit = _recording_os_exit
+
+    import signal
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    _steps, _signal = [0], signal.signal  # optimizer steps begun in this process
+    register_optimizer_step_pre_hook(lambda *_: _steps.__setitem__(0, _steps[0] + 1))
+
+    def _recording_signal(signum, handler):  # sigterm.StopSignal's records when SIGTERM came
+        if signum == signal.SIGTERM and type(getattr(handler, "__self__", None)).__name__ == \
+                "StopSignal":
+            def recording(*args, _handler=handler):
+                _append("sigterm", {"rank": _global_rank(), "steps": _steps[0]})
+                return _handler(*args)
+            return _signal(signum, recording)
+        return _signal(signum, handler)
+    signal.signal = _recording_signal
 
 
 

@@ -5,13 +5,19 @@ changes none of their results:
   DDP_TEST_RECORD=DIR   record each rank's training-sampler indices per epoch, every torch.save
                         and torch.load call, each rank's final model state and the files it
                         maps at destroy_process_group, the threads each rank still runs when
-                        its script has returned (at exit), every fork (whether a process group existed, and
+                        its script has returned (at exit, and at os._exit: then no
+                        finalization follows, and the exit code is known), the optimizer
+                        steps each rank had begun when a SIGTERM reached it, every fork (whether a process group existed, and
                         the threads then running), every process group made after the first,
                         the size of every tensor broadcast and the shape and dtype of every one all-reduced,
                         and how long the store given to init_process_group waits
   DDP_TEST_BLOCK=NAME   make `import NAME` fail, to test the message for a missing package
   DDP_TEST_STEP_DELAY=S sleep S seconds before every optimizer step (slower, same results), so
                         that a test can kill a worker in the middle of an epoch
+  DDP_TEST_THREAD_POOL=1
+                        every process that imports torch keeps a ThreadPoolExecutor with one idle
+                        worker thread, as a task that reads its data through one does (fsspec,
+                        s3fs): a thread that ends only when Python's exit asks it to
   DDP_TEST_FAIL_SAVE=N  the N-th torch.save of a process fails as on a full disk (ENOSPC)
   DDP_TEST_SLOW_SAVE=S  torch.save (to a path or a file) writes half the bytes, sleeps S
                         seconds, then writes the rest (a slow disk), so that a kill can land
@@ -53,6 +59,9 @@ changes none of their results:
   DDP_TEST_LATE=RANK:S  the process of global rank RANK sleeps S seconds before it calls
                         init_process_group (after the processes met): a node still preparing
                         its data when the others already wait in init_process_group
+  DDP_TEST_LATE_START=S  a process that its launcher started as local rank 0 (LOCAL_RANK, as
+                        torchrun sets it) sleeps S seconds before anything else: its node's
+                        first process, slow to import, while the others already run
   DDP_TEST_CPU_FEATURES_OF=RANK:FEATURES
                         in the process of global rank RANK, DDP_TEST_CPU_FEATURES is FEATURES
                         (asked once the process group exists): one machine of the job with
@@ -82,6 +91,10 @@ if os.environ.get("DDP_SUITE_LAUNCH_LOG"):  # which test started which Python pr
                      f"{' '.join(_cmd)!r}\n")  # (repr: one line)
     except OSError:
         pass
+
+if os.environ.get("DDP_TEST_LATE_START") and os.environ.get("LOCAL_RANK") == "0":
+    import time
+    time.sleep(float(os.environ["DDP_TEST_LATE_START"]))
 
 if os.environ.get("DDP_TEST_BLOCK"):
     sys.modules[os.environ["DDP_TEST_BLOCK"]] = None  # import NAME now raises ImportError
